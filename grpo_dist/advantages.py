@@ -1,0 +1,38 @@
+"""Group-relative advantages: each completion's reward compared with the other completions of its prompt.
+
+Pure tensor code, no torch.distributed: the trainer passes the global batch std in when scale_rewards='batch'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADV_EPS = 1e-4  # added to the std; rewards [1,1,0,0] then give +-0.8659 as in seed 000
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+                     batch_std: float | torch.Tensor | None = None, eps: float = ADV_EPS) -> torch.Tensor:
+    """rewards: [n_prompts * G] laid out group by group -> advantages of the same shape.
+
+    group: (r - mean_g) / (std_g + eps), std unbiased (n - 1), as GRPO and TRL.
+    batch: (r - mean_g) / (std_batch + eps), std over the whole batch (all ranks: pass batch_std).
+    none:  r - mean_g (Dr. GRPO: no std scaling, which biases towards easy/hard questions otherwise).
+    """
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
+    grouped = rewards.float().view(-1, num_generations)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        std = rewards.float().std() if batch_std is None else torch.as_tensor(batch_std, dtype=torch.float32)
+        centred = centred / (std + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    return centred.reshape(-1)
+
+
+def zero_advantage_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[n_prompts] bool: groups whose completions all got the same reward, so they teach nothing."""
+    grouped = rewards.float().view(-1, num_generations)
+    return (grouped == grouped[:, :1]).all(dim=1)

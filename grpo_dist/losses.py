@@ -1,0 +1,144 @@
+"""Per-token log-probs (memory-lean) and the GRPO loss: PPO clipped ratio + beta * Schulman k3 KL, token-masked.
+
+Pure tensor code, no torch.distributed. The trainer passes the normaliser (token or sequence count of the whole
+optimizer step, over all micro-batches and ranks) so the update does not depend on micro-batch size or world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
+
+
+def _chunked_log_probs(logits, labels, chunk_size):
+    rows = logits.shape[0]
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    for s in range(0, rows, chunk_size):
+        chunk = logits[s:s + chunk_size].float()
+        lse[s:s + chunk_size] = torch.logsumexp(chunk, dim=-1)
+        out[s:s + chunk_size] = chunk.gather(-1, labels[s:s + chunk_size, None]).squeeze(-1) - lse[s:s + chunk_size]
+    return out, lse
+
+
+class _SelectiveLogProb(torch.autograd.Function):
+    """log_softmax(logits)[label] in fp32, computed chunk by chunk.
+
+    Never holds a [rows, vocab] fp32 tensor beyond one chunk: the forward keeps only the logits (in their own dtype)
+    and the per-row logsumexp, and the backward rebuilds softmax chunk by chunk. A plain `log_softmax(logits.float())`
+    would keep two fp32 copies of the logits alive for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size):
+        out, lse = _chunked_log_probs(logits, labels, chunk_size)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk_size):
+            e = s + ctx.chunk_size
+            g = -torch.exp(logits[s:e].float() - lse[s:e, None])  # d logp / d logits = onehot - softmax
+            g.scatter_add_(-1, labels[s:e, None], torch.ones_like(g[:, :1]))
+            grad[s:e] = (g * grad_out[s:e, None]).to(grad.dtype)
+        return grad, None, None
+
+
+def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """logits [..., V], labels [...] -> fp32 log p(label) of shape [...], without a full fp32 log-softmax."""
+    shape = labels.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    if torch.is_grad_enabled() and flat_logits.requires_grad:
+        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size)
+    else:
+        out, _ = _chunked_log_probs(flat_logits, flat_labels, chunk_size)
+    return out.view(shape)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of the next-token distribution per position, fp32, chunked (a monitoring signal, no grad)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for s in range(0, flat.shape[0], chunk_size):
+        lp = torch.log_softmax(flat[s:s + chunk_size].float(), dim=-1)
+        out[s:s + chunk_size] = -(lp.exp() * lp).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0, unbiased, low variance."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor          # scalar to backpropagate (already divided by the global normaliser)
+    pg_sum: torch.Tensor        # sums over this micro-batch's masked tokens, for metrics (detached)
+    kl_sum: torch.Tensor
+    clipped_sum: torch.Tensor   # tokens where the clipped branch was taken
+    ratio_sum: torch.Tensor
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              normaliser: float, loss_type: str = "token_mean", ref_logp: torch.Tensor | None = None,
+              beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+              max_completion_length: int | None = None) -> LossTerms:
+    """GRPO loss for one micro-batch.
+
+    logp, old_logp, ref_logp, mask: [B, T]; advantages: [B].
+    per-token: -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A) + beta * k3(logp, ref_logp),  r = exp(logp - old_logp)
+    aggregation (normaliser is the count over the whole optimizer step, all micro-batches and ranks):
+      token_mean            sum(per_tok * mask) / normaliser            (normaliser = number of completion tokens)
+      seq_mean_token_mean   sum_seq(sum(per_tok * mask) / len_seq) / normaliser   (normaliser = number of sequences)
+      seq_mean_token_sum    sum_seq(sum(per_tok * mask)) / normaliser             (normaliser = number of sequences)
+      dr_grpo               sum(per_tok * mask) / (normaliser * max_completion_length)  (normaliser = sequences)
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)[:, None]
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
+    per_tok = -torch.minimum(unclipped, clipped)
+    pg_tok = per_tok
+    kl = None
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta != 0 needs ref_logp")
+        kl = k3_kl(logp, ref_logp)
+        per_tok = per_tok + beta * kl
+
+    masked = per_tok * mask
+    if loss_type == "token_mean":
+        loss = masked.sum() / normaliser
+    elif loss_type == "seq_mean_token_mean":
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
+    elif loss_type == "seq_mean_token_sum":
+        loss = masked.sum() / normaliser
+    else:
+        if not max_completion_length:
+            raise ValueError("loss_type dr_grpo needs max_completion_length")
+        loss = masked.sum() / (normaliser * max_completion_length)
+
+    with torch.no_grad():
+        was_clipped = (clipped < unclipped).to(mask.dtype)  # the min picked the clipped branch
+        return LossTerms(loss=loss, pg_sum=(pg_tok * mask).sum(), kl_sum=(kl * mask).sum() if kl is not None
+                         else torch.zeros((), dtype=logp.dtype), clipped_sum=(was_clipped * mask).sum(),
+                         ratio_sum=(ratio * mask).sum())
+
+
+def uses_sequence_normaliser(loss_type: str) -> bool:
+    """token_mean divides by tokens; every other loss_type divides by sequences."""
+    return loss_type != "token_mean"

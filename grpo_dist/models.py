@@ -1,0 +1,157 @@
+"""Models and tokenizers: load any HF causal LM, or build a tiny random one offline.
+
+`tiny` models exist so that tests, CI and the CPU demo need no download: an architecture config (Qwen2, Llama,
+Qwen3) with random weights seeded identically on every rank, and a tokenizer made on the spot (one token per
+character, or a small byte-level BPE) or loaded from a local directory.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+from grpo_dist.config import ConfigError, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
+                     max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizers
+
+def char_tokenizer(extra_tokens: int = 0) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (plus newline). `extra_tokens` pads the vocabulary with unused
+    special tokens, so a model can have a bigger vocab (benchmarks) without ids the tokenizer cannot decode."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                 unk_token="<unk>", padding_side="left")
+    if extra_tokens > 0:
+        hf.add_special_tokens({"additional_special_tokens": [f"<extra_{i}>" for i in range(extra_tokens)]})
+    return hf
+
+
+def bpe_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in a blink on a small built-in corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if corpus is None:
+        words = ("the answer is what how many total each more than less sum of product difference number apples "
+                 "she he they has have had buys sells gives left per day week dollars cost price half twice times "
+                 "first second third final so we get therefore equals plus minus divided by multiplied").split()
+        corpus = [f"{a} + {b} = {a + b}. {w} {words[(a * 7 + b) % len(words)]}"
+                  for a in range(60) for b in range(40) for w in words[(a + b) % 5:(a + b) % 5 + 3]]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def prepare_tokenizer(tok):
+    """Left padding for generation, and a pad token (EOS when the tokenizer has none)."""
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ConfigError("the tokenizer has no EOS token: completions could never end (model.tokenizer)")
+    return tok
+
+
+# -------------------------------------------------------------------------------------------------------- models
+
+def _tiny_spec(cfg: ModelConfig) -> dict:
+    spec = dict(TINY_DEFAULTS)
+    unknown = set(cfg.tiny) - set(spec)
+    if unknown:
+        raise ConfigError(f"unknown config key 'model.tiny.{sorted(unknown)[0]}'; allowed: {', '.join(sorted(spec))}")
+    spec.update(cfg.tiny)
+    return spec
+
+
+def build_tiny_tokenizer(cfg: ModelConfig):
+    spec = _tiny_spec(cfg)
+    kind = spec["tokenizer"]
+    if kind == "char":
+        base = char_tokenizer()
+        extra = max(0, (spec["vocab_size"] or 0) - len(base))
+        return char_tokenizer(extra) if extra else base
+    if kind == "bpe":
+        return bpe_tokenizer(spec["vocab_size"] or 1024)
+    if Path(kind).is_dir():
+        return AutoTokenizer.from_pretrained(kind, padding_side="left")
+    raise ConfigError(f"config key 'model.tiny.tokenizer' = {kind!r}: use char, bpe or a tokenizer directory")
+
+
+def build_tiny_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
+    """Random-init causal LM; the same weights on every rank because the seed is fixed before init."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    spec = _tiny_spec(cfg)
+    arch = spec.pop("architecture")
+    spec.pop("tokenizer")
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+    if arch not in classes:
+        raise ConfigError(f"config key 'model.tiny.architecture' = {arch!r}; choose one of {', '.join(classes)}")
+    vocab = max(spec.pop("vocab_size") or 0, len(tokenizer))
+    kwargs = dict(spec, vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", spec["hidden_size"] // spec["num_attention_heads"])
+    config = classes[arch](**kwargs)
+    if cfg.attn_implementation:
+        config._attn_implementation = cfg.attn_implementation
+    state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.init_seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
+    torch.random.set_rng_state(state)
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               bos_token_id=tokenizer.bos_token_id)
+    return model
+
+
+def load_tokenizer(cfg: ModelConfig):
+    if cfg.name_or_path is None and cfg.tokenizer is None:
+        if cfg.tiny is None:
+            raise ConfigError("set 'model.name_or_path' (an HF model) or 'model.tiny' (a random model to build)")
+        return prepare_tokenizer(build_tiny_tokenizer(cfg))
+    src = cfg.tokenizer or cfg.name_or_path
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(src, padding_side="left",
+                                                           trust_remote_code=cfg.trust_remote_code))
+
+
+def load_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
+    """The policy (or a reference copy): pretrained when name_or_path is set, else a tiny random model."""
+    if cfg.name_or_path is None:
+        if cfg.tiny is None:
+            raise ConfigError("set 'model.name_or_path' (an HF model) or 'model.tiny' (a random model to build)")
+        return build_tiny_model(cfg, tokenizer)
+    kwargs = dict(dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
+    """The transformer block classes FSDP wraps one by one (from the model's own _no_split_modules)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not found:
+        raise ValueError(f"cannot find the decoder layer class of {type(model).__name__} for FSDP auto-wrapping")
+    return found
