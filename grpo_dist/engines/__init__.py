@@ -1,0 +1,79 @@
+"""Training engines: the narrow interface between the GRPO algorithm and whatever shards the model.
+
+The trainer only ever calls the methods of `Engine` (forward through `engine.module`, backward, step, weights for
+generation, full state for checkpoints); FSDP is the default implementation, DeepSpeed ZeRO the alternative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    applied: bool  # False when the step was skipped (non-finite loss or gradients on some rank)
+
+
+class Engine:
+    """What the trainer needs from a backend. Every method that talks to other ranks must be called on all ranks."""
+
+    module: torch.nn.Module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self, skip: bool = False) -> StepResult:
+        """Clip, then apply the optimizer and LR schedule, unless `skip` or the grad norm is not finite."""
+        raise NotImplementedError
+
+    def current_lr(self) -> float:
+        raise NotImplementedError
+
+    def copy_weights_to(self, replica: torch.nn.Module) -> None:
+        """Write the full current weights into a plain (unsharded) model used for generation. Collective."""
+        raise NotImplementedError
+
+    def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard a frozen model (no grads, no optimizer state) the same way as the policy."""
+        raise NotImplementedError
+
+    def gather_full_state(self) -> tuple[dict | None, dict | None]:
+        """(model state dict, optimizer state dict) on rank 0, (None, None) elsewhere. Collective."""
+        raise NotImplementedError
+
+    def load_full_state(self, model_state: dict | None, optim_state: dict | None) -> None:
+        """Inverse of gather_full_state: rank 0 passes the dicts, the others None. Collective."""
+        raise NotImplementedError
+
+    def scheduler_state(self) -> dict:
+        raise NotImplementedError
+
+    def load_scheduler_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, kind: str):
+    """Multiplier of the base LR at optimizer step s: linear warmup, then constant / linear / cosine decay to 0."""
+    import math
+
+    def f(s: int) -> float:
+        if warmup_steps and s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return f
+
+
+def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:
+    if cfg.distributed.backend == "fsdp":
+        from grpo_dist.engines.fsdp import FSDPEngine
+        return FSDPEngine(cfg, model, ctx)
+    if cfg.distributed.backend == "deepspeed":
+        from grpo_dist.engines.deepspeed import DeepSpeedEngine
+        return DeepSpeedEngine(cfg, model, ctx)
+    raise ValueError(f"unknown distributed.backend {cfg.distributed.backend!r}")

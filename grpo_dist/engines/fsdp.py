@@ -1,0 +1,126 @@
+"""FSDP (FullyShardedDataParallel, use_orig_params=True) engine: policy, frozen reference, optimizer, schedule."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                                    ShardingStrategy, StateDictType)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+from grpo_dist.engines import Engine, StepResult, lr_lambda
+from grpo_dist.models import decoder_layer_classes
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """Parameter name as the plain HF model spells it (without FSDP / checkpoint wrapper prefixes)."""
+    for p in _WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+class FSDPEngine(Engine):
+    def __init__(self, cfg, model: torch.nn.Module, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        dcfg = cfg.distributed
+        self._layer_classes = decoder_layer_classes(model)
+        model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
+        self.module = self._wrap(model, trainable=True)
+        if dcfg.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+            apply_activation_checkpointing(
+                self.module, check_fn=lambda m: isinstance(m, tuple(self._layer_classes)),
+                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.module.parameters() if p.requires_grad], lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        total = cfg.max_steps * cfg.num_iterations
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.warmup_steps, total, cfg.lr_scheduler_type))
+
+    # ------------------------------------------------------------------------------------------------ wrapping
+    def _wrap(self, model: torch.nn.Module, trainable: bool) -> FSDP:
+        dcfg = self.cfg.distributed
+        mp = None
+        if dcfg.mixed_precision:
+            low = torch.bfloat16 if dcfg.mixed_precision == "bf16" else torch.float16
+            mp = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32 if trainable else low)
+        on_cuda = self.ctx.device.type == "cuda"
+        return FSDP(
+            model,
+            sharding_strategy=ShardingStrategy[dcfg.sharding_strategy],
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                               transformer_layer_cls=self._layer_classes),
+            mixed_precision=mp,
+            device_id=self.ctx.device,  # required on CPU too, else FSDP looks for an accelerator
+            use_orig_params=True,
+            limit_all_gathers=True,
+            # On CUDA every rank may build on the meta device / rank 0 loads; on CPU this is refused, and the
+            # identical seeded init (or identical checkpoint) on every rank makes it unnecessary.
+            sync_module_states=on_cuda,
+        )
+
+    def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.requires_grad_(False)
+        model.eval()
+        return self._wrap(model, trainable=False)
+
+    # ------------------------------------------------------------------------------------------------- update
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, skip: bool = False) -> StepResult:
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
+        grad_norm = float(self.module.clip_grad_norm_(max_norm))  # global norm over all shards: same on all ranks
+        applied = not skip and math.isfinite(grad_norm)
+        if applied:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm=grad_norm, applied=applied)
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---------------------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def copy_weights_to(self, replica: torch.nn.Module) -> None:
+        with FSDP.summon_full_params(self.module, writeback=False, recurse=True):
+            full = {clean_name(n): p for n, p in self.module.named_parameters()}
+            for name, p in replica.named_parameters():
+                p.copy_(full[name])
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def gather_full_state(self):
+        offload = self.ctx.device.type != "cpu"  # offload_to_cpu=True segfaults when the tensors are on CPU already
+        with FSDP.state_dict_type(self.module, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+                                  FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
+            model_sd = self.module.state_dict()
+            optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
+        if not self.ctx.is_main:
+            return None, None
+        return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
+
+    def load_full_state(self, model_state, optim_state) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        # Rank 0 holds the dicts; the others receive their shards by broadcast (one copy in host memory per node).
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
+        if optim_state is not None or not self.ctx.is_main:
+            set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
+                                     options=opts)
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)

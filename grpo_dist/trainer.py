@@ -1,0 +1,334 @@
+"""The GRPO trainer: one step, on every rank, is
+
+    prompts (this rank's shard)
+      -> rollout     G completions per prompt from a per-rank copy of the current policy
+      -> reward      verifier scores per completion
+      -> advantage   z-score inside each group (groups never cross ranks)
+      -> log-probs   reference (beta > 0) and old (num_iterations > 1) in no-grad passes
+      -> update      token-masked clipped ratio + beta * k3 KL, micro-batched, one optimizer step per iteration
+
+Collectives happen only in the engine (FSDP forwards/backwards, clipping, checkpoints) and in a few all-reduces
+here; every rank runs the same number of forward/backward passes (micro-batch counts are agreed first, short ranks
+run empty micro-batches), so no path can deadlock.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo_dist import checkpoint as ckpt
+from grpo_dist import distributed as gdist
+from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist.config import GRPOConfig
+from grpo_dist.data import PromptSampler, load_examples, render_prompt
+from grpo_dist.engines import build_engine
+from grpo_dist.losses import grpo_loss, selective_log_probs, token_entropy, uses_sequence_normaliser
+from grpo_dist.metrics import MetricsLogger
+from grpo_dist.models import load_model, load_tokenizer
+from grpo_dist.rewards import RewardComputer
+from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a NaN/inf loss or gradient."""
+
+
+class Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        self.tokenizer = load_tokenizer(cfg.model)
+        policy = load_model(cfg.model, self.tokenizer).to(ctx.device)
+        # The generation replica: a plain copy of the policy, refreshed from the shards every step.
+        self.gen_model = copy.deepcopy(policy).eval()
+        self.gen_model.requires_grad_(False)
+        self.engine = build_engine(cfg, policy, ctx)
+        self.ref_model = None
+        if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
+            self.ref_model = self.engine.wrap_reference(load_model(cfg.model, self.tokenizer).to(ctx.device))
+        self.train_examples = load_examples(cfg.data, "train")
+        self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        self.step = 0
+        self.consecutive_nonfinite = 0
+        self.nonfinite_steps = 0
+        self.resumed_from: Path | None = None
+        self._stop_requested = False
+        self._maybe_resume()
+        self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
+                                    cfg.progress_bar, cfg.logging_steps, start_step=self.step)
+
+    # --------------------------------------------------------------------------------------------------- setup
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _maybe_resume(self) -> None:
+        path = None
+        if self.ctx.is_main:
+            path = ckpt.resolve_resume_path(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        path = gdist.broadcast_object(str(path) if path else None)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
+        if state["world_size"] != self.ctx.world_size:
+            global_batch = state["sampler"]["prompts_per_rank"] * state["sampler"]["world_size"]
+            if global_batch != self.cfg.prompts_per_rank * self.ctx.world_size:
+                raise ValueError(
+                    f"{path} was written by {state['world_size']} ranks with prompts_per_rank="
+                    f"{state['sampler']['prompts_per_rank']}; resuming with {self.ctx.world_size} ranks needs the "
+                    f"same global batch ({global_batch} prompts per step): set prompts_per_rank="
+                    f"{global_batch // self.ctx.world_size if global_batch % self.ctx.world_size == 0 else '?'}")
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+        self.nonfinite_steps = state.get("nonfinite_steps", 0)
+        self.resumed_from = Path(path)
+        if self.ctx.is_main:
+            print(f"[grpo_dist] resumed from {path} at step {self.step}", flush=True)
+
+    def request_stop(self, signum=None, frame=None) -> None:
+        """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
+        self._stop_requested = True
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def train(self) -> int:
+        """Run to max_steps. Returns the process exit code (0, or PREEMPTED_EXIT_CODE after a stop request)."""
+        cfg = self.cfg
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self.request_stop)
+        exit_code = 0
+        try:
+            while self.step < cfg.max_steps:
+                metrics = self.train_step()
+                if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+                    metrics.update(self.evaluate())
+                self.logger.log(metrics)
+                stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
+                if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
+                        (self.step == cfg.max_steps and cfg.save_final):
+                    self.save()
+                if stop:
+                    exit_code = PREEMPTED_EXIT_CODE
+                    if self.ctx.is_main:
+                        print(f"[grpo_dist] stop requested: checkpoint written at step {self.step}, exiting with "
+                              f"code {PREEMPTED_EXIT_CODE}", flush=True)
+                    break
+        finally:
+            self.logger.close()
+            self.rewards.close()
+        return exit_code
+
+    def train_step(self) -> dict:
+        timer = Timer()
+        t0 = time.perf_counter()
+        with timer("rollout"):
+            batch = self.rollout(self.sampler.next_batch())
+        with timer("reward"):
+            rewards, per_function = self.rewards(batch.completions, batch.references)
+        metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer)
+        metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
+        step_time = time.perf_counter() - t0
+        metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
+        metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
+        return metrics
+
+    def rollout(self, examples) -> RolloutBatch:
+        cfg = self.cfg
+        self.engine.copy_weights_to(self.gen_model)
+        prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
+        return generate_rollouts(
+            self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
+            cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
+            cfg.generation_batch_size)
+
+    # ---------------------------------------------------------------------------------------------- the update
+    def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None) -> dict:
+        """Advantages, log-probs and the policy update for one rollout batch (this rank's rows). Also the entry
+        point for tests that inject fixed rollouts."""
+        cfg, dev = self.cfg, self.ctx.device
+        timer = timer or Timer()
+        batch = batch.to(dev)
+        G = cfg.num_generations
+        n_groups = len(batch) // G
+
+        # Advantages (groups are rank-local; the batch std, when used, is global).
+        batch_std = None
+        if cfg.scale_rewards == "batch":
+            s = gdist.all_reduce_sum([rewards.sum(), (rewards.double() ** 2).sum(), len(rewards)], dev)
+            mean = s[0] / s[2]
+            batch_std = float(torch.sqrt((s[1] - s[2] * mean ** 2).clamp(min=0) / (s[2] - 1).clamp(min=1)))
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std).to(dev)
+        flat_groups = zero_advantage_groups(rewards, G)
+
+        rows = list(range(len(batch)))
+        if cfg.skip_zero_advantage_groups:
+            rows = [i for i in rows if not flat_groups[i // G]]
+        lengths = batch.completion_lengths
+        # Normaliser of the whole optimizer step, over all micro-batches and ranks.
+        local_norm = float(len(rows)) if uses_sequence_normaliser(cfg.loss_type) else float(lengths[rows].sum())
+        normaliser = float(gdist.all_reduce_sum([local_norm], dev)[0])
+
+        # Micro-batches of similar lengths (less padding); every rank runs the same number of them.
+        order = sorted(rows, key=lambda i: int(lengths[i]) + int(batch.prompt_mask[i].sum()))
+        micro = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
+        n_micro = int(gdist.all_reduce_max([len(micro)], dev)[0])
+        micro += [[] for _ in range(n_micro - len(micro))]
+
+        with timer("logprobs"):
+            ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
+            old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
+
+        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0)
+        grad_norms, applied = [], 0
+        with timer("update"):
+            for it in range(cfg.num_iterations):
+                nonfinite_local = False
+                for mb_index, idx in enumerate(micro):
+                    if not idx:
+                        self._empty_backward(batch)
+                        continue
+                    mb = batch.rows(idx)
+                    logits = completion_logits(self.engine.module, mb)
+                    logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature)
+                    c = logp.shape[1]
+                    old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
+                    ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
+                    terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
+                                      cfg.loss_type, ref, cfg.beta, cfg.epsilon, cfg.epsilon_high,
+                                      cfg.max_completion_length)
+                    # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+                    loss = terms.loss * self.ctx.world_size
+                    nonfinite_local |= not bool(torch.isfinite(terms.loss.detach()))
+                    self.engine.backward(loss)
+                    if it == 0:
+                        m = mb.completion_mask.float()
+                        sums["loss"] += float(terms.loss.detach())
+                        sums["pg"] += float(terms.pg_sum)
+                        sums["kl"] += float(terms.kl_sum)
+                        sums["clipped"] += float(terms.clipped_sum)
+                        sums["ratio"] += float(terms.ratio_sum)
+                        sums["entropy"] += float((token_entropy(logits.detach(), cfg.logprob_chunk_size) * m).sum())
+                    del logits, logp, terms, loss
+                skip = gdist.any_rank(nonfinite_local, dev) or normaliser == 0
+                result = self.engine.step(skip=skip)
+                grad_norms.append(result.grad_norm)
+                applied += int(result.applied)
+        if normaliser > 0:
+            self._track_nonfinite(applied == cfg.num_iterations)
+        self.step += 1
+        return self._step_metrics(batch, rewards, flat_groups, sums, grad_norms, applied)
+
+    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
+        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
+        out = []
+        with torch.no_grad():
+            for idx in micro:
+                if not idx:
+                    model(**self._empty_inputs(batch))  # keep the FSDP all-gathers in step with other ranks
+                    out.append(None)
+                    continue
+                mb = batch.rows(idx)
+                logits = completion_logits(model, mb)
+                out.append(selective_log_probs(logits, mb.completion_ids, self.cfg.logprob_chunk_size,
+                                               self.cfg.temperature))
+        return out
+
+    def _empty_inputs(self, batch: RolloutBatch) -> dict:
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((1, 2), pad, dtype=torch.long, device=self.ctx.device)
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1, use_cache=False)
+
+    def _empty_backward(self, batch: RolloutBatch) -> None:
+        """A rank with fewer micro-batches still runs forward + backward (zero loss) so FSDP's collectives match."""
+        out = self.engine.module(**self._empty_inputs(batch))
+        self.engine.backward(out.logits.sum() * 0.0)
+
+    def _track_nonfinite(self, all_applied: bool) -> None:
+        if all_applied:
+            self.consecutive_nonfinite = 0
+            return
+        self.consecutive_nonfinite += 1
+        self.nonfinite_steps += 1
+        if self.consecutive_nonfinite >= self.cfg.max_consecutive_nonfinite:
+            raise NonFiniteError(
+                f"{self.consecutive_nonfinite} consecutive steps had a NaN/inf loss or gradient norm (step "
+                f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
+                f"learning_rate, check the data, or try distributed.mixed_precision=None")
+
+    def _step_metrics(self, batch, rewards, flat_groups, sums, grad_norms, applied) -> dict:
+        dev = self.ctx.device
+        lengths = batch.completion_lengths.double().cpu()
+        tokens = float(lengths.sum())
+        correct = float((torch.as_tensor(rewards) >= 1.0).sum())
+        s = gdist.all_reduce_sum([
+            float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
+            float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
+            sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum())], dev)
+        mx = gdist.all_reduce_max([float(lengths.max())], dev)
+        n, tok = s[2], max(float(s[4]), 1.0)
+        mean = float(s[0] / n)
+        return {
+            "step": self.step,
+            "reward_mean": mean,
+            "reward_std": float(torch.sqrt((s[1] / n - mean ** 2).clamp(min=0))),
+            "accuracy": float(s[3] / n),
+            "completion_length_mean": float(s[4] / n),
+            "completion_length_max": float(mx[0]),
+            "truncated_fraction": float(s[13] / n),
+            "zero_advantage_fraction": float(s[5] / s[6]),
+            "loss": float(s[7]),
+            "policy_loss": float(s[8] / tok),
+            "kl": float(s[9] / tok),
+            "clip_fraction": float(s[10] / tok),
+            "ratio_mean": float(s[11] / tok),
+            "entropy": float(s[12] / tok),
+            "grad_norm": grad_norms[-1] if grad_norms else 0.0,
+            "learning_rate": self.engine.current_lr(),
+            "skipped_steps": self.nonfinite_steps,
+            "epoch": self.sampler.epoch,
+            "_completion_tokens": float(s[4]) / self.ctx.world_size,  # per rank, for tokens/s of this rank
+        }
+
+    # ------------------------------------------------------------------------------------------ evaluation, save
+    def evaluate(self) -> dict:
+        """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
+        from grpo_dist.evaluate import evaluate_accuracy
+        self.engine.copy_weights_to(self.gen_model)
+        examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
+        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards)
+        return {"eval_accuracy": acc}
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.engine.scheduler_state(),
+                "world_size": self.ctx.world_size, "nonfinite_steps": self.nonfinite_steps,
+                "config": self.cfg.to_dict()}
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
+                                    self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from)
