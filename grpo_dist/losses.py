@@ -13,12 +13,12 @@ import torch
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
 
 
-def _chunked_log_probs(logits, labels, chunk_size):
+def _chunked_log_probs(logits, labels, chunk_size, temperature):
     rows = logits.shape[0]
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     for s in range(0, rows, chunk_size):
-        chunk = logits[s:s + chunk_size].float()
+        chunk = logits[s:s + chunk_size].float() / temperature
         lse[s:s + chunk_size] = torch.logsumexp(chunk, dim=-1)
         out[s:s + chunk_size] = chunk.gather(-1, labels[s:s + chunk_size, None]).squeeze(-1) - lse[s:s + chunk_size]
     return out, lse
@@ -33,33 +33,37 @@ class _SelectiveLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size):
-        out, lse = _chunked_log_probs(logits, labels, chunk_size)
+    def forward(ctx, logits, labels, chunk_size, temperature):
+        out, lse = _chunked_log_probs(logits, labels, chunk_size, temperature)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, labels, lse = ctx.saved_tensors
+        t = ctx.temperature
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             e = s + ctx.chunk_size
-            g = -torch.exp(logits[s:e].float() - lse[s:e, None])  # d logp / d logits = onehot - softmax
+            g = -torch.exp(logits[s:e].float() / t - lse[s:e, None])  # d logp / d (logits/t) = onehot - softmax
             g.scatter_add_(-1, labels[s:e, None], torch.ones_like(g[:, :1]))
-            grad[s:e] = (g * grad_out[s:e, None]).to(grad.dtype)
-        return grad, None, None
+            grad[s:e] = (g * (grad_out[s:e, None] / t)).to(grad.dtype)
+        return grad, None, None, None
 
 
-def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """logits [..., V], labels [...] -> fp32 log p(label) of shape [...], without a full fp32 log-softmax."""
+def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """logits [..., V], labels [...] -> fp32 log_softmax(logits / temperature)[label] of shape [...], without a full
+    fp32 log-softmax. Dividing by the sampling temperature makes these the log-probs the completions were drawn
+    with."""
     shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
     if torch.is_grad_enabled() and flat_logits.requires_grad:
-        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size)
+        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size, temperature)
     else:
-        out, _ = _chunked_log_probs(flat_logits, flat_labels, chunk_size)
+        out, _ = _chunked_log_probs(flat_logits, flat_labels, chunk_size, temperature)
     return out.view(shape)
 
 

@@ -73,8 +73,9 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, devi
 def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str], num_generations: int,
                       max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       max_prompt_length: int = 512, generation_batch_size: int | None = None,
-                      min_completion_length: int = 0, do_sample: bool = True) -> RolloutBatch:
-    """Sample num_generations completions for each prompt (rows grouped prompt by prompt)."""
+                      min_completion_length: int = 0, do_sample: bool = True, **generate_kwargs) -> RolloutBatch:
+    """Sample num_generations completions for each prompt (rows grouped prompt by prompt). Extra keyword arguments
+    go to `model.generate` (e.g. logits processors)."""
     device = next(model.parameters()).device
     ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
     ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
@@ -88,7 +89,7 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
             temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
             top_k=(top_k or None) if do_sample else None, max_new_tokens=max_completion_length,
             min_new_tokens=min_completion_length or None, pad_token_id=pad, eos_token_id=eos,
-            synced_gpus=False, use_cache=True)
+            synced_gpus=False, use_cache=True, **generate_kwargs)
         pieces.append(out[:, ids.shape[1]:])
     width = max(p.shape[1] for p in pieces)
     completion_ids = torch.full((len(ids), width), pad, dtype=torch.long, device=device)

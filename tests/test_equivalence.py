@@ -1,0 +1,106 @@
+"""One optimizer step on 2 ranks (each half the prompts) equals 1 process on all prompts, on the same fixed
+rollouts, for every loss_type; and micro_batch_size=1 equals the whole batch at once."""
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+G = 4
+PROMPTS = 4          # in total; each of 2 ranks takes 2
+VOCAB_LO, VOCAB_HI = 4, 100  # ordinary (non-special) token ids of the char tokenizer
+
+BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+        "num_key_value_heads: 2, intermediate_size: 64}",
+        f"num_generations={G}", "max_completion_length=10", "learning_rate=1e-3", "adam_epsilon=1e-6",
+        "reward_workers=0", "beta=0.04", "max_grad_norm=1.0", "progress_bar=false", "report_to=[]",
+        "temperature=0.9"]
+
+VARIANTS = {
+    "token_mean": ["loss_type=token_mean"],
+    "seq_mean_token_mean": ["loss_type=seq_mean_token_mean"],
+    "seq_mean_token_sum": ["loss_type=seq_mean_token_sum"],
+    "dr_grpo": ["loss_type=dr_grpo", "scale_rewards=none"],
+    "batch_std_two_iterations": ["scale_rewards=batch", "num_iterations=2", "epsilon=0.1"],
+    "skip_zero_groups_beta0": ["skip_zero_advantage_groups=true", "beta=0.0"],
+}
+
+
+def fixed_rollout(pad_id=0, eos_id=1):
+    """A deterministic batch with uneven prompt and completion lengths, some ending in EOS, some truncated."""
+    from grpo_dist.rollout import RolloutBatch
+    g = torch.Generator().manual_seed(123)
+    n, P, C = PROMPTS * G, 7, 10
+    prompt_ids = torch.full((n, P), pad_id)
+    prompt_mask = torch.zeros(n, P, dtype=torch.long)
+    completion_ids = torch.full((n, C), pad_id)
+    completion_mask = torch.zeros(n, C, dtype=torch.long)
+    for p in range(PROMPTS):
+        plen = int(torch.randint(2, P + 1, (1,), generator=g))
+        prompt = torch.randint(VOCAB_LO, VOCAB_HI, (plen,), generator=g)
+        for j in range(G):
+            i = p * G + j
+            prompt_ids[i, P - plen:] = prompt
+            prompt_mask[i, P - plen:] = 1
+            clen = int(torch.randint(1, C + 1, (1,), generator=g))
+            completion_ids[i, :clen] = torch.randint(VOCAB_LO, VOCAB_HI, (clen,), generator=g)
+            if clen < C or j % 2:  # most end with EOS (included in the mask); some are truncated
+                completion_ids[i, clen - 1] = eos_id
+            completion_mask[i, :clen] = 1
+    rewards = torch.tensor([1., 0, 1, 0,   1, 1, 1, 1,   0, 0, 1, 0,   0.5, 1, 0, 0.25])  # group 2 is flat
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, G), rewards
+
+
+def _step_variants(rank, world_size, micro_batch_size, names):
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    ctx = init_distributed(120)
+    batch, rewards = fixed_rollout()
+    per_rank = PROMPTS // world_size
+    rows = list(range(rank * per_rank * G, (rank + 1) * per_rank * G))
+    results = {}
+    for name in names:
+        cfg = load_config(None, BASE + VARIANTS[name] + [f"prompts_per_rank={per_rank}",
+                                                          f"micro_batch_size={micro_batch_size}",
+                                                          "output_dir=/tmp/unused"])
+        trainer = GRPOTrainer(cfg, ctx)
+        metrics = trainer.learn(batch.rows(rows), rewards[rows])
+        sd, _ = trainer.engine.gather_full_state()
+        if rank == 0:
+            results[name] = ({k: v.clone() for k, v in sd.items()}, metrics)
+    return results
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    whole = run_ranks(_step_variants, 1, tmp, 64, list(VARIANTS))[0]
+    mb1 = run_ranks(_step_variants, 1, tmp, 1, ["token_mean", "seq_mean_token_mean"])[0]
+    return whole, mb1
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_two_ranks_equal_one_process_for_every_loss_type(single_process, tmp_path):
+    whole, _ = single_process
+    two = run_ranks(_step_variants, 2, tmp_path, 3, list(VARIANTS))[0]
+    # the base weights must actually move, else equality proves nothing
+    from grpo_dist.config import load_config
+    for name in VARIANTS:
+        single_sd, single_m = whole[name]
+        dist_sd, dist_m = two[name]
+        assert _max_diff(single_sd, dist_sd) < 1e-5, name
+        assert abs(single_m["loss"] - dist_m["loss"]) < 1e-5, name
+        assert abs(single_m["kl"] - dist_m["kl"]) < 1e-6, name
+        assert single_m["zero_advantage_fraction"] == dist_m["zero_advantage_fraction"] == 0.25
+    moved = _max_diff(whole["token_mean"][0], whole["dr_grpo"][0])
+    assert moved > 1e-4, "different loss types should give different updates"
+
+
+def test_micro_batch_size_one_equals_whole_batch(single_process):
+    whole, mb1 = single_process
+    for name in mb1:
+        assert _max_diff(whole[name][0], mb1[name][0]) < 1e-5, name
