@@ -8,3 +8,8 @@ def odd_length(completion: str, reference: str) -> float:
 
 def exact(completion: str, reference: str) -> float:
     return float(completion.strip() == reference.strip())
+
+
+def char_parity(completion: str, reference: str) -> float:
+    """Varies from completion to completion of random text (so groups are not flat)."""
+    return float(sum(map(ord, completion)) % 2)
