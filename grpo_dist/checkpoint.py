@@ -5,6 +5,7 @@ Layout of checkpoint-<step>/:
     optimizer.pt          full (FQN-keyed) optimizer state, from FSDP.optim_state_dict
     trainer_state.json    step, data position, LR scheduler, world size, the resolved config
     rng_state_<rank>.pt   torch / python / numpy RNG of every rank
+    deepspeed/            (backend=deepspeed) DeepSpeed's own partitioned checkpoint: fp32 masters + optimizer
     manifest.json         file sizes and sha256; written last: a checkpoint without it is incomplete
 
 A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once complete, so a crash while
@@ -129,6 +130,8 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     gdist.barrier()
+    if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)
+        engine.save_engine_state(tmp)
     torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
     if ctx.is_main:
         hf_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
@@ -172,6 +175,8 @@ def load_checkpoint(path: Path, engine, ctx) -> dict:
             model_sd.update(load_file(str(f)))
         optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
     engine.load_full_state(model_sd, optim_sd)
+    if hasattr(engine, "load_engine_state"):
+        engine.load_engine_state(path)
     engine.load_scheduler_state(state["scheduler"])
     rng_file = path / f"rng_state_{ctx.rank}.pt"
     if saved_world == ctx.world_size and rng_file.is_file():
