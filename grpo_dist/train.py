@@ -29,8 +29,12 @@ def main(argv=None) -> int:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
         return 2
 
+    from transformers.utils import logging as hf_logging
+
     from grpo_dist import distributed as gdist
     from grpo_dist.trainer import GRPOTrainer
+
+    hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
 
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
     try:

@@ -24,6 +24,11 @@ VARIANTS = {
     "batch_std_two_iterations": ["scale_rewards=batch", "num_iterations=2", "epsilon=0.1"],
     "skip_zero_groups_beta0": ["skip_zero_advantage_groups=true", "beta=0.0"],
 }
+# Options that must not change the result (compared with the plain token_mean step), or only within bf16 noise.
+EXTRA_2RANK = {
+    "activation_checkpointing": (["distributed.activation_checkpointing=true"], 1e-5),
+    "bf16_mixed_precision": (["distributed.mixed_precision=bf16"], None),  # compared by update direction
+}
 
 
 def fixed_rollout(pad_id=0, eos_id=1):
@@ -61,7 +66,8 @@ def _step_variants(rank, world_size, micro_batch_size, names):
     rows = list(range(rank * per_rank * G, (rank + 1) * per_rank * G))
     results = {}
     for name in names:
-        cfg = load_config(None, BASE + VARIANTS[name] + [f"prompts_per_rank={per_rank}",
+        overrides = VARIANTS[name] if name in VARIANTS else ["loss_type=token_mean"] + EXTRA_2RANK[name][0]
+        cfg = load_config(None, BASE + overrides + [f"prompts_per_rank={per_rank}",
                                                           f"micro_batch_size={micro_batch_size}",
                                                           "output_dir=/tmp/unused"])
         trainer = GRPOTrainer(cfg, ctx)
@@ -86,9 +92,7 @@ def _max_diff(a, b):
 
 def test_two_ranks_equal_one_process_for_every_loss_type(single_process, tmp_path):
     whole, _ = single_process
-    two = run_ranks(_step_variants, 2, tmp_path, 3, list(VARIANTS))[0]
-    # the base weights must actually move, else equality proves nothing
-    from grpo_dist.config import load_config
+    two = run_ranks(_step_variants, 2, tmp_path, 3, list(VARIANTS) + list(EXTRA_2RANK))[0]
     for name in VARIANTS:
         single_sd, single_m = whole[name]
         dist_sd, dist_m = two[name]
@@ -98,6 +102,19 @@ def test_two_ranks_equal_one_process_for_every_loss_type(single_process, tmp_pat
         assert single_m["zero_advantage_fraction"] == dist_m["zero_advantage_fraction"] == 0.25
     moved = _max_diff(whole["token_mean"][0], whole["dr_grpo"][0])
     assert moved > 1e-4, "different loss types should give different updates"
+    assert _max_diff(whole["token_mean"][0], two["activation_checkpointing"][0]) < 1e-5
+    # bf16 compute: the update points the same way as the fp32 one (cosine of the weight deltas)
+    base = _initial_weights()
+    d32 = torch.cat([(whole["token_mean"][0][k] - base[k]).flatten() for k in base])
+    d16 = torch.cat([(two["bf16_mixed_precision"][0][k] - base[k]).flatten() for k in base])
+    assert torch.nn.functional.cosine_similarity(d32, d16, dim=0) > 0.9
+
+
+def _initial_weights():
+    from grpo_dist.config import load_config
+    from grpo_dist.models import load_model, load_tokenizer
+    cfg = load_config(None, BASE)
+    return load_model(cfg.model, load_tokenizer(cfg.model)).state_dict()
 
 
 def test_micro_batch_size_one_equals_whole_batch(single_process):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
@@ -48,6 +49,8 @@ class FSDPEngine(Engine):
     # ------------------------------------------------------------------------------------------------ wrapping
     def _wrap(self, model: torch.nn.Module, trainable: bool) -> FSDP:
         dcfg = self.cfg.distributed
+        if self.ctx.world_size == 1:
+            warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`.*")
         mp = None
         if dcfg.mixed_precision:
             low = torch.bfloat16 if dcfg.mixed_precision == "bf16" else torch.float16
@@ -100,6 +103,13 @@ class FSDPEngine(Engine):
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
         offload = self.ctx.device.type != "cpu"  # offload_to_cpu=True segfaults when the tensors are on CPU already
+        with warnings.catch_warnings():
+            # FSDP1's state_dict_type is "being deprecated" in favour of get_state_dict; the spec keeps this API.
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+            return self._gather_full_state(offload)
+
+    def _gather_full_state(self, offload: bool):
         with FSDP.state_dict_type(self.module, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
                                   FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
