@@ -151,7 +151,10 @@ class GRPOTrainer:
             batch = self.rollout(self.sampler.next_batch())
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references)
-        metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer)
+        # accuracy = the first reward function (the verifier) gave full marks
+        first = next(iter(per_function.values()), rewards)
+        metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
+                             correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
@@ -168,7 +171,8 @@ class GRPOTrainer:
             cfg.generation_batch_size)
 
     # ---------------------------------------------------------------------------------------------- the update
-    def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None) -> dict:
+    def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
+              correct: torch.Tensor | None = None) -> dict:
         """Advantages, log-probs and the policy update for one rollout batch (this rank's rows). Also the entry
         point for tests that inject fixed rollouts."""
         cfg, dev = self.cfg, self.ctx.device
@@ -242,7 +246,8 @@ class GRPOTrainer:
         if normaliser > 0:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
-        return self._step_metrics(batch, rewards, flat_groups, sums, grad_norms, applied)
+        correct = rewards >= 1.0 if correct is None else correct
+        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
 
     def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
         """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
@@ -281,11 +286,11 @@ class GRPOTrainer:
                 f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
                 f"learning_rate, check the data, or try distributed.mixed_precision=None")
 
-    def _step_metrics(self, batch, rewards, flat_groups, sums, grad_norms, applied) -> dict:
+    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms, applied) -> dict:
         dev = self.ctx.device
         lengths = batch.completion_lengths.double().cpu()
         tokens = float(lengths.sum())
-        correct = float((torch.as_tensor(rewards) >= 1.0).sum())
+        correct = float(correct.sum())
         s = gdist.all_reduce_sum([
             float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
