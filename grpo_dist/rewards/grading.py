@@ -1,0 +1,378 @@
+"""Batch reward grading in worker processes with a hard per-item time limit.
+
+``RewardComputer`` grades (completion, reference) pairs with one or more
+reward functions named by ``"module:function"`` specs.  With ``num_workers > 0``
+each function call runs in a separate worker *process*; the parent waits for
+each item at most ``timeout_s`` seconds and otherwise kills that worker
+(SIGKILL, so no runaway computation survives), scores the item 0.0 and starts
+a replacement.  Timing is done in the parent with ``select`` on the worker's
+pipe, so it works from any thread and needs no signals.
+
+Why plain subprocesses and not ``multiprocessing``: workers are started with
+``subprocess.Popen([sys.executable, "-c", ...])``, i.e. a fresh interpreter, as
+with the ``spawn`` start method (no ``fork`` of a parent that has torch, CUDA or
+NCCL threads), but without re-importing the parent's ``__main__``: under
+``python -m grpo_dist.train`` / torchrun, ``spawn`` and ``forkserver`` would
+re-import the training script (and torch) in every worker.  A worker only
+imports this package, resolves the specs by name, and talks JSON lines over its
+own stdin/stdout (the protocol uses private file descriptors, so user functions
+that print cannot corrupt it).
+
+Workers never outlive the parent: they exit on EOF of their request pipe, ask
+the kernel to SIGKILL them when the parent dies (``PR_SET_PDEATHSIG`` on
+Linux), poll the parent pid from a watchdog thread, and are killed by
+``close()``, by the context manager, by garbage collection and at interpreter
+exit.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable
+
+__all__ = ["resolve_reward_function", "RewardComputer"]
+
+_START_TIMEOUT_S = 180.0   # a fresh worker must report ready within this time
+_MAX_ATTEMPTS = 2          # an item whose worker crashed is retried once
+
+
+def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
+    """``"package.module:function"`` -> the function (``function`` may be dotted)."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
+    mod_name, attr = (x.strip() for x in spec.split(":"))
+    if not mod_name or not attr:
+        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import module {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward function {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward function {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def _as_score(v) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def _call_safely(fn, completion, reference) -> float:
+    try:
+        return _as_score(fn(completion, reference))
+    except Exception:  # noqa: BLE001 - a failing reward scores 0.0
+        return 0.0
+
+
+# --------------------------------------------------------------------------- worker side
+def _worker_main() -> None:  # pragma: no cover - runs in the child process
+    parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
+    try:  # SIGKILL this process when the parent dies (Linux)
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+    def watchdog():
+        while True:
+            if os.getppid() != parent:
+                os._exit(0)
+            time.sleep(0.5)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(0)
+
+    # private protocol descriptors; user code sees /dev/null as stdin and stderr as stdout
+    proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
+    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    funcs: dict = {}
+    proto_out.write(b'{"ready": 1}\n')
+    buf = b""
+    while True:
+        chunk = proto_in.read(1 << 20)
+        if not chunk:
+            os._exit(0)
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            spec = req["f"]
+            try:
+                fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
+                score, err = _as_score(fn(req["c"], req["r"])), None
+            except Exception as e:  # noqa: BLE001
+                score, err = 0.0, f"{type(e).__name__}: {e}"[:300]
+            out = {"v": score}
+            if err:
+                out["e"] = err
+            proto_out.write(json.dumps(out).encode() + b"\n")
+
+
+# --------------------------------------------------------------------------- parent side
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    paths = [os.getcwd() if p == "" else p for p in sys.path]
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = "1"
+    return env
+
+
+class _Worker:
+    def __init__(self):
+        cmd = [sys.executable, "-c",
+               "from grpo_dist.rewards.grading import _worker_main; _worker_main()",
+               str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=_worker_env(), close_fds=True)
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.ready = False
+        self.task = None          # index of the item being graded
+        self.deadline = time.monotonic() + _START_TIMEOUT_S
+
+    def send(self, payload: bytes, deadline: float) -> bool:
+        try:
+            self.proc.stdin.write(payload)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+        self.deadline = deadline
+        return True
+
+    def read_lines(self):
+        """New complete lines, or None on EOF (worker died)."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except OSError:
+            return None
+        if not data:
+            return None
+        self.buf += data
+        lines = self.buf.split(b"\n")
+        self.buf = lines.pop()
+        return lines
+
+    def kill(self):
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+    def close(self):
+        try:
+            self.proc.stdin.close()  # EOF: the worker exits by itself
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+
+def _shutdown(workers: list, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:  # a forked child must not kill its parent's workers
+        return
+    while workers:
+        workers.pop().close()
+
+
+class _Pool:
+    def __init__(self, num_workers: int, timeout_s: float):
+        self.timeout_s = float(timeout_s)
+        self.n = num_workers
+        self.workers: list = []
+        self.stats = {"timeouts": 0, "crashes": 0, "restarts": 0}
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers, os.getpid())
+        for _ in range(num_workers):
+            self.workers.append(_Worker())
+
+    def _replace(self, w):
+        w.kill()
+        self.workers.remove(w)
+        self.stats["restarts"] += 1
+        self.workers.append(_Worker())
+
+    def grade(self, tasks: list) -> list:
+        """tasks: [(spec, completion, reference)] -> scores; raises RuntimeError if workers never start."""
+        results = [0.0] * len(tasks)
+        attempts = [0] * len(tasks)
+        pending = deque(range(len(tasks)))
+        while pending or any(w.task is not None for w in self.workers):
+            for w in list(self.workers):
+                if w.ready and w.task is None and pending:
+                    idx = pending.popleft()
+                    spec, c, r = tasks[idx]
+                    payload = json.dumps({"f": spec, "c": c, "r": r}).encode() + b"\n"
+                    attempts[idx] += 1
+                    w.task = idx
+                    if not w.send(payload, time.monotonic() + self.timeout_s):
+                        self._crashed(w, pending, attempts)
+            waiting = [w for w in self.workers if w.task is not None or not w.ready]
+            if not waiting:
+                continue
+            now = time.monotonic()
+            wait = max(0.0, min(w.deadline for w in waiting) - now)
+            readable, _, _ = select.select([w.fd for w in waiting], [], [], wait)
+            for w in waiting:
+                if w.fd in readable:
+                    lines = w.read_lines()
+                    if lines is None:
+                        self._crashed(w, pending, attempts)
+                        continue
+                    for line in lines:
+                        msg = json.loads(line)
+                        if "ready" in msg:
+                            w.ready = True
+                        elif w.task is not None:
+                            results[w.task] = _as_score(msg.get("v", 0.0))
+                            w.task = None
+                elif time.monotonic() >= w.deadline:
+                    if w.task is not None:  # hard time limit: kill, score 0, replace
+                        results[w.task] = 0.0
+                        w.task = None
+                        self.stats["timeouts"] += 1
+                        self._replace(w)
+                    else:
+                        self._replace(w)
+                        raise RuntimeError("reward worker did not start in time")
+        return results
+
+    def _crashed(self, w, pending, attempts):
+        self.stats["crashes"] += 1
+        if not w.ready and w.task is None:
+            self._replace(w)
+            raise RuntimeError("reward worker exited during start-up")
+        if w.task is not None and attempts[w.task] < _MAX_ATTEMPTS:
+            pending.appendleft(w.task)
+        w.task = None
+        self._replace(w)
+
+    def close(self):
+        self._finalizer()
+
+
+class RewardComputer:
+    """Weighted sum of reward functions, graded in bounded worker processes.
+
+    ``specs``: ``[{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}, ...]``
+    (``"name"`` optional; a bare spec string is accepted too).  ``num_workers=0``
+    grades in-process (no hard time limit; ``math_reward`` bounds its own work).
+    Calling returns ``(totals, {name: scores})``; an item that times out, or whose
+    function raises or returns a non-number, scores 0.0 for that function.
+    """
+
+    def __init__(self, specs: list, num_workers: int = 1, timeout_s: float = 5.0):
+        if isinstance(specs, (str, dict)):
+            specs = [specs]
+        if not specs:
+            raise ValueError("RewardComputer needs at least one reward function spec")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.specs, self.weights, self.names, self.functions = [], [], [], []
+        for s in specs:
+            if isinstance(s, str):
+                s = {"function": s}
+            if not isinstance(s, dict) or "function" not in s:
+                raise ValueError(f"reward spec {s!r} needs a 'function' key")
+            unknown = set(s) - {"function", "weight", "name"}
+            if unknown:
+                raise ValueError(f"reward spec {s!r}: unknown keys {sorted(unknown)}")
+            try:
+                weight = float(s.get("weight", 1.0))
+            except (TypeError, ValueError):
+                raise ValueError(f"reward spec {s!r}: weight must be a number") from None
+            self.functions.append(resolve_reward_function(s["function"]))
+            self.specs.append(s["function"])
+            self.weights.append(weight)
+            self.names.append(s.get("name") or s["function"].split(":")[1].strip())
+        if len(set(self.names)) != len(self.names):
+            self.names = [s.get("name") or sp for s, sp in zip(
+                [x if isinstance(x, dict) else {} for x in specs], self.specs)]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"duplicate reward function names: {self.names}")
+        self.num_workers = int(num_workers)
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._pool = _Pool(self.num_workers, self.timeout_s) if self.num_workers > 0 else None
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._pool.stats) if self._pool else {}
+
+    def __call__(self, completions: list, references: list):
+        if len(completions) != len(references):
+            raise ValueError(f"{len(completions)} completions but {len(references)} references")
+        completions = [c if isinstance(c, str) else "" for c in completions]
+        references = [r if isinstance(r, str) else str(r) for r in references]
+        n = len(completions)
+        per_fn: dict = {}
+        with self._lock:
+            if self._pool is not None:
+                tasks = [(spec, c, r) for spec in self.specs for c, r in zip(completions, references)]
+                try:
+                    flat = self._pool.grade(tasks)
+                except RuntimeError:  # workers cannot start: grade in-process rather than stall
+                    flat = [_call_safely(fn, c, r) for fn in self.functions
+                            for c, r in zip(completions, references)]
+                for k, name in enumerate(self.names):
+                    per_fn[name] = flat[k * n:(k + 1) * n]
+            else:
+                for name, fn in zip(self.names, self.functions):
+                    per_fn[name] = [_call_safely(fn, c, r) for c, r in zip(completions, references)]
+        totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
+                  for i in range(n)]
+        return totals, per_fn
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
