@@ -4,8 +4,21 @@
 :mod:`grpo_dist.rewards.math`); ``RewardComputer`` grades batches in worker
 processes with a hard per-item time limit (see :mod:`grpo_dist.rewards.grading`);
 ``resolve_reward_function`` turns a ``"module:function"`` spec into a callable.
+
+``math_reward`` and ``extract_answer`` are re-exported lazily so that a reward
+worker that only runs other functions does not pay for importing sympy.
 """
 from grpo_dist.rewards.grading import RewardComputer, resolve_reward_function
-from grpo_dist.rewards.math import extract_answer, math_reward
 
 __all__ = ["math_reward", "extract_answer", "resolve_reward_function", "RewardComputer"]
+
+
+def __getattr__(name):
+    if name in ("math_reward", "extract_answer"):
+        from grpo_dist.rewards import math as _math
+        return getattr(_math, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + ["math_reward", "extract_answer"])

@@ -3,7 +3,7 @@
 ``RewardComputer`` grades (completion, reference) pairs with one or more
 reward functions named by ``"module:function"`` specs.  With ``num_workers > 0``
 each function call runs in a separate worker *process*; the parent waits for
-each item at most ``timeout_s`` seconds and otherwise kills that worker
+each item (items go out in chunks, answered one line each) at most ``timeout_s`` seconds and otherwise kills that worker
 (SIGKILL, so no runaway computation survives), scores the item 0.0 and starts
 a replacement.  Timing is done in the parent with ``select`` on the worker's
 pipe, so it works from any thread and needs no signals.
@@ -43,6 +43,8 @@ __all__ = ["resolve_reward_function", "RewardComputer"]
 
 _START_TIMEOUT_S = 180.0   # a fresh worker must report ready within this time
 _MAX_ATTEMPTS = 2          # an item whose worker crashed is retried once
+_MAX_CHUNK = 32            # items per request to a worker
+_MAX_CHUNK_BYTES = 4 << 20
 
 
 def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
@@ -118,17 +120,17 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            req = json.loads(line)
-            spec = req["f"]
-            try:
-                fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
-                score, err = _as_score(fn(req["c"], req["r"])), None
-            except Exception as e:  # noqa: BLE001
-                score, err = 0.0, f"{type(e).__name__}: {e}"[:300]
-            out = {"v": score}
-            if err:
-                out["e"] = err
-            proto_out.write(json.dumps(out).encode() + b"\n")
+            req = json.loads(line)  # {"items": [[spec, completion, reference], ...]}
+            for spec, completion, reference in req["items"]:
+                try:
+                    fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
+                    score, err = _as_score(fn(completion, reference)), None
+                except Exception as e:  # noqa: BLE001
+                    score, err = 0.0, f"{type(e).__name__}: {e}"[:300]
+                out = {"v": score}
+                if err:
+                    out["e"] = err
+                proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
 
 
 # --------------------------------------------------------------------------- parent side
@@ -152,7 +154,7 @@ class _Worker:
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
-        self.task = None          # index of the item being graded
+        self.chunk = deque()      # indices of the items sent and not yet answered
         self.deadline = time.monotonic() + _START_TIMEOUT_S
 
     def send(self, payload: bytes, deadline: float) -> bool:
@@ -228,25 +230,23 @@ class _Pool:
         self.workers.append(_Worker())
 
     def grade(self, tasks: list) -> list:
-        """tasks: [(spec, completion, reference)] -> scores; raises RuntimeError if workers never start."""
+        """tasks: [(spec, completion, reference)] -> scores.
+
+        Each ready worker gets a chunk of items; it answers one line per item, and
+        the parent allows ``timeout_s`` per item (the clock restarts at each
+        answer).  Raises RuntimeError if no worker can be started.
+        """
         results = [0.0] * len(tasks)
         attempts = [0] * len(tasks)
         pending = deque(range(len(tasks)))
-        while pending or any(w.task is not None for w in self.workers):
+        while pending or any(w.chunk for w in self.workers):
             for w in list(self.workers):
-                if w.ready and w.task is None and pending:
-                    idx = pending.popleft()
-                    spec, c, r = tasks[idx]
-                    payload = json.dumps({"f": spec, "c": c, "r": r}).encode() + b"\n"
-                    attempts[idx] += 1
-                    w.task = idx
-                    if not w.send(payload, time.monotonic() + self.timeout_s):
-                        self._crashed(w, pending, attempts)
-            waiting = [w for w in self.workers if w.task is not None or not w.ready]
+                if w.ready and not w.chunk and pending:
+                    self._assign(w, tasks, pending, attempts)
+            waiting = [w for w in self.workers if w.chunk or not w.ready]
             if not waiting:
                 continue
-            now = time.monotonic()
-            wait = max(0.0, min(w.deadline for w in waiting) - now)
+            wait = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
             readable, _, _ = select.select([w.fd for w in waiting], [], [], wait)
             for w in waiting:
                 if w.fd in readable:
@@ -258,13 +258,15 @@ class _Pool:
                         msg = json.loads(line)
                         if "ready" in msg:
                             w.ready = True
-                        elif w.task is not None:
-                            results[w.task] = _as_score(msg.get("v", 0.0))
-                            w.task = None
+                            w.deadline = math.inf
+                        elif w.chunk:
+                            results[w.chunk.popleft()] = _as_score(msg.get("v", 0.0))
+                            w.deadline = time.monotonic() + self.timeout_s if w.chunk else math.inf
                 elif time.monotonic() >= w.deadline:
-                    if w.task is not None:  # hard time limit: kill, score 0, replace
-                        results[w.task] = 0.0
-                        w.task = None
+                    if w.chunk:  # hard time limit: kill, score the item 0, requeue the rest
+                        results[w.chunk.popleft()] = 0.0
+                        pending.extendleft(reversed(w.chunk))
+                        w.chunk.clear()
                         self.stats["timeouts"] += 1
                         self._replace(w)
                     else:
@@ -272,14 +274,31 @@ class _Pool:
                         raise RuntimeError("reward worker did not start in time")
         return results
 
+    def _assign(self, w, tasks, pending, attempts):
+        size = max(1, min(_MAX_CHUNK, len(pending) // (2 * len(self.workers))))
+        items, nbytes = [], 0
+        while pending and len(items) < size and nbytes < _MAX_CHUNK_BYTES:
+            idx = pending.popleft()
+            spec, c, r = tasks[idx]
+            w.chunk.append(idx)
+            items.append([spec, c, r])
+            nbytes += len(c) + len(r)
+        attempts[w.chunk[0]] += 1
+        payload = json.dumps({"items": items}).encode() + b"\n"
+        if not w.send(payload, time.monotonic() + self.timeout_s):
+            self._crashed(w, pending, attempts)
+
     def _crashed(self, w, pending, attempts):
         self.stats["crashes"] += 1
-        if not w.ready and w.task is None:
+        if not w.ready and not w.chunk:
             self._replace(w)
             raise RuntimeError("reward worker exited during start-up")
-        if w.task is not None and attempts[w.task] < _MAX_ATTEMPTS:
-            pending.appendleft(w.task)
-        w.task = None
+        if w.chunk:
+            first = w.chunk.popleft()
+            pending.extendleft(reversed(w.chunk))
+            if attempts[first] < _MAX_ATTEMPTS:
+                pending.appendleft(first)  # retried once; then it keeps the 0.0 score
+        w.chunk.clear()
         self._replace(w)
 
     def close(self):
