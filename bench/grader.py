@@ -1,0 +1,186 @@
+"""Benchmark a math grader: accuracy on a labelled set, hostile inputs, throughput.
+
+    python bench/grader.py --grader ours                # labelled set + hostile set
+    python bench/grader.py --grader math-verify         # needs: pip install math-verify
+    python bench/grader.py --grader ours --throughput   # RewardComputer completions/s
+
+Labelled set (JSON lines: completion, reference, label, category): each item is
+graded in-process and timed; prints accuracy, false positives (graded 1, label
+0), false negatives, p50/p99/max latency and the misses per category.
+
+Hostile set (JSON lines: name, reference, completion or parts=[[text, count]];
+"{MARKER}" is replaced by a path in a fresh temporary directory): each item is
+graded in an isolated worker process (grpo_dist's RewardComputer, killed after
+--hostile-timeout s), timed from the parent.  Prints how many items took over
+1 s, how many got a nonzero reward and whether any marker file was created (i.e.
+the grader executed model text).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GRADERS = {"ours": "grader:ours_reward", "math-verify": "grader:math_verify_reward"}
+
+
+def ours_reward(completion: str, reference: str) -> float:
+    from grpo_dist.rewards.math import math_reward
+    return math_reward(completion, reference)
+
+
+def math_verify_reward(completion: str, reference: str) -> float:
+    """math-verify 0.9 used the way most GRPO trainers call it."""
+    from math_verify import parse, verify
+    gold = parse("$" + reference + "$")
+    pred = parse(completion)
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+def _function(name: str):
+    return {"ours": ours_reward, "math-verify": math_verify_reward}[name]
+
+
+def load_jsonl(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def hostile_completion(case: dict, marker: str) -> str:
+    if "parts" in case:
+        text = "".join(s * n for s, n in case["parts"])
+    else:
+        text = case["completion"]
+    return text.replace("{MARKER}", marker)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def bench_labelled(grader: str, path: str) -> None:
+    fn = _function(grader)
+    cases = load_jsonl(path)
+    fn(cases[0]["completion"], cases[0]["reference"])  # warm-up (imports, caches)
+    lat, fp, fn_, miss = [], 0, 0, Counter()
+    for c in cases:
+        t = time.perf_counter()
+        try:
+            v = fn(c["completion"], c["reference"])
+        except Exception:  # noqa: BLE001 - a crash counts as 0.0
+            v = 0.0
+        lat.append(time.perf_counter() - t)
+        got = 1 if v == 1.0 else 0
+        if got != c["label"]:
+            miss[c.get("category", "?")] += 1
+            if got:
+                fp += 1
+            else:
+                fn_ += 1
+    n = len(cases)
+    print(f"[{grader}] labelled set {os.path.relpath(path, ROOT)}: {n} cases ({sum(c['label'] for c in cases)} positive)")
+    print(f"  accuracy {100.0 * (n - fp - fn_) / n:.1f}%  false positives {fp}  false negatives {fn_}")
+    print(f"  latency p50 {1e3 * statistics.median(lat):.2f} ms  p99 {1e3 * pct(lat, 0.99):.2f} ms  max {1e3 * max(lat):.2f} ms")
+    if miss:
+        print("  misses by category: " + ", ".join(f"{k} {v}" for k, v in miss.most_common()))
+
+
+def bench_hostile(grader: str, path: str, timeout: float) -> None:
+    from grpo_dist.rewards import RewardComputer
+    cases = load_jsonl(path)
+    marker_dir = tempfile.mkdtemp(prefix="grader_hostile_")
+    slow, rewarded, lat = [], [], []
+    with RewardComputer([{"function": GRADERS[grader]}], num_workers=1, timeout_s=timeout) as rc:
+        rc(["warm up \\boxed{1}"], ["1"])
+        for k, c in enumerate(cases):
+            marker = os.path.join(marker_dir, f"marker_{k}")
+            comp = hostile_completion(c, marker)
+            t = time.perf_counter()
+            total, _ = rc([comp], [c["reference"]])
+            dt = time.perf_counter() - t
+            lat.append(dt)
+            if dt >= 1.0:
+                slow.append((c["name"], dt))
+            if total[0] != 0.0:
+                rewarded.append(c["name"])
+        stats = rc.stats
+    created = sorted(os.listdir(marker_dir))
+    print(f"[{grader}] hostile set {os.path.relpath(path, ROOT)}: {len(cases)} cases, limit {timeout:.0f} s per item")
+    print(f"  over 1 s: {len(slow)}  nonzero reward: {len(rewarded)}  marker files created: {len(created)}"
+          f"  worker kills (timeouts): {stats.get('timeouts', 0)}")
+    print(f"  latency p50 {1e3 * statistics.median(lat):.1f} ms  max {1e3 * max(lat):.1f} ms (includes IPC)")
+    if slow:
+        print("  slow: " + ", ".join(f"{n} {d:.1f}s" for n, d in slow))
+    if rewarded:
+        print("  rewarded: " + ", ".join(rewarded))
+    if created:
+        print("  EXECUTED MODEL TEXT: " + ", ".join(created))
+
+
+def gsm8k_mix(path: str, limit: int) -> tuple:
+    refs = [json.loads(l)["answer"].split("####")[-1].strip() for l in open(path, encoding="utf-8")][:limit]
+    filler = ("Let's think step by step. First we compute the cost of each item, then multiply by the "
+              "number of items and subtract what was already paid. ") * 6
+    comps, out_refs = [], []
+    for i, r in enumerate(refs):
+        n = r.replace(",", "")
+        variants = [f"{filler}\nSo the answer is $\\boxed{{{r}}}$.",
+                    f"{filler}\n#### {n}",
+                    f"{filler}\nThe final answer is {int(float(n)) + 1}.",
+                    f"{filler}\nThus we get $\\boxed{{\\frac{{{n}}}{{2}}}}$."]
+        comps.extend(variants)
+        out_refs.extend([r] * len(variants))
+    return comps, out_refs
+
+
+def bench_throughput(grader: str, data: str, workers: int, limit: int) -> None:
+    from grpo_dist.rewards import RewardComputer
+    comps, refs = gsm8k_mix(data, limit)
+    fn = _function(grader)
+    t = time.perf_counter()
+    for c, r in zip(comps, refs):
+        fn(c, r)
+    dt_in = time.perf_counter() - t
+    with RewardComputer([{"function": GRADERS[grader]}], num_workers=workers, timeout_s=5.0) as rc:
+        rc(comps[:8], refs[:8])  # wait for workers to start
+        t = time.perf_counter()
+        totals, _ = rc(comps, refs)
+        dt = time.perf_counter() - t
+    print(f"[{grader}] throughput on a GSM8K-like mix ({len(comps)} completions, {sum(totals):.0f} correct):")
+    print(f"  in-process, 1 thread: {len(comps) / dt_in:.0f} completions/s")
+    print(f"  RewardComputer, {workers} worker processes: {len(comps) / dt:.0f} completions/s")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grader", choices=sorted(GRADERS), default="ours")
+    ap.add_argument("--cases", default=os.path.join(ROOT, "tests/data/math_cases.jsonl"))
+    ap.add_argument("--hostile", default=os.path.join(ROOT, "tests/data/math_hostile.jsonl"))
+    ap.add_argument("--hostile-timeout", type=float, default=10.0)
+    ap.add_argument("--skip-labelled", action="store_true")
+    ap.add_argument("--skip-hostile", action="store_true")
+    ap.add_argument("--throughput", action="store_true", help="also measure batch throughput")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--gsm8k", default="/work/shared/data/gsm8k/test.jsonl")
+    ap.add_argument("--limit", type=int, default=1319, help="GSM8K references used for throughput")
+    args = ap.parse_args(argv)
+    if not args.skip_labelled:
+        bench_labelled(args.grader, args.cases)
+    if not args.skip_hostile:
+        bench_hostile(args.grader, args.hostile, args.hostile_timeout)
+    if args.throughput:
+        bench_throughput(args.grader, args.gsm8k, args.workers, args.limit)
+
+
+if __name__ == "__main__":
+    main()
