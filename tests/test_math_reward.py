@@ -100,6 +100,7 @@ def test_decimal_tolerance_rule():
     ("\\tan^{-1}(1)", "\\frac{\\pi}{4}", 1), ("\\arcsin(1)", "\\frac{\\pi}{2}", 1),
     ("\\infty", "\\infty", 1), ("-\\infty", "\\infty", 0), ("x>3", "3<x", 1), ("x\\ge3", "x>3", 0),
     ("3:4", "3:4", 1), ("3:4", "4:3", 0), ("1,234", "1234", 1), ("(1,234)", "(1,234)", 1),
+    ("\\{2\\}", "2", 1), ("\\{2,3\\}", "2", 0), ("5\\,\\text{m}", "5", 1), ("2\\text{x}", "2", 0),
 ])
 def test_extra_equivalences(ans, ref, label):
     assert is_equivalent(ans, ref) == bool(label)

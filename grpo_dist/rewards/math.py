@@ -187,7 +187,7 @@ _UNIT_TAIL_RE = re.compile(
     re.I,
 )
 _TEXT_UNIT_RE = re.compile(
-    r"(?<=[\d}).])\s*\\" + _WRAPPERS + r"\s*\{\s*[A-Za-z][A-Za-z .]+\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?"
+    r"(?<=[\d}).])\s*\\" + _WRAPPERS + r"\s*\{\s*(?:[A-Za-z][A-Za-z .]+|[mgsLh])\s*\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?"
 )
 _TEXT_CONNECT_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{\s*(?:and|or|,)\s*\}")
 _UNWRAP_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{([^{}]*)\}")
@@ -247,7 +247,7 @@ def clean_answer(s: str) -> str:
 
 
 # --------------------------------------------------------------------------- parsing
-_PLAIN_NUM_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
+_PLAIN_NUM_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 _CHOICE_RE = re.compile(r"\(?\s*([A-Z])\s*\)?")
 _CHOICE_LOOSE_RE = re.compile(r"\(\s*([A-Z])\s*\)|([A-Z])(?=$|[.):]\s*)")
 _MATH_WORDS = {"sqrt", "pi", "sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp",
@@ -495,6 +495,9 @@ def values_equiv(a, b, dec: bool) -> bool:
         return a.left == b.left and a.right == b.right and _ordered(a.items, b.items, dec)
     if isinstance(a, SetV) and isinstance(b, SetV):
         return _unordered(_dedupe_set(a.items, dec), _dedupe_set(b.items, dec), dec)
+    if isinstance(a, SetV) != isinstance(b, SetV):  # {2} vs 2
+        st, other = (a, b) if isinstance(a, SetV) else (b, a)
+        return len(st.items) == 1 and isinstance(other, sympy.Expr) and values_equiv(st.items[0], other, dec)
     if isinstance(a, UnionV) or isinstance(b, UnionV):
         pa = a.parts if isinstance(a, UnionV) else [a]
         pb = b.parts if isinstance(b, UnionV) else [b]
@@ -557,8 +560,8 @@ def is_equivalent(answer: str, reference: str) -> bool:
         for vr, dr in cr:
             if values_equiv(va, vr, da or dr):
                 return True
-    if not ca or not cr:  # outside the grammar: fall back to normalised text
-        return _text_key(a) == _text_key(r) and _text_key(a) != ""
+    if not ca and not cr:  # both outside the grammar (e.g. "3:4"): same text, spaces aside
+        return re.sub(r"\s+", "", a) == re.sub(r"\s+", "", r)
     return False
 
 
