@@ -219,7 +219,11 @@ class GRPOTrainer:
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
-                    logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature)
+                    if it == 0:  # before backward: it overwrites the logits with their gradient (memory)
+                        sums["entropy"] += float((token_entropy(logits.detach(), cfg.logprob_chunk_size)
+                                                  * mb.completion_mask).sum())
+                    logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
+                                               overwrite_logits=True)
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
@@ -228,17 +232,18 @@ class GRPOTrainer:
                                       cfg.max_completion_length)
                     # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
                     loss = terms.loss * self.ctx.world_size
-                    nonfinite_local |= not bool(torch.isfinite(terms.loss.detach()))
+                    if faults.inject("nan", self.step + 1, self.ctx.rank):
+                        loss = loss * float("nan")
+                    nonfinite_local |= not bool(torch.isfinite(loss.detach()))
                     self.engine.backward(loss)
                     if it == 0:
-                        m = mb.completion_mask.float()
                         sums["loss"] += float(terms.loss.detach())
                         sums["pg"] += float(terms.pg_sum)
                         sums["kl"] += float(terms.kl_sum)
                         sums["clipped"] += float(terms.clipped_sum)
                         sums["ratio"] += float(terms.ratio_sum)
-                        sums["entropy"] += float((token_entropy(logits.detach(), cfg.logprob_chunk_size) * m).sum())
                     del logits, logp, terms, loss
+                faults.inject("kill", self.step + 1, self.ctx.rank)
                 skip = gdist.any_rank(nonfinite_local, dev) or normaliser == 0
                 result = self.engine.step(skip=skip)
                 grad_norms.append(result.grad_norm)

@@ -139,7 +139,7 @@ _TOKEN_RE = re.compile(
     |(?P<word>[A-Za-z]+)
     |(?P<op>\*\*|!=|<=|>=|[-+*/^_()\[\]{},=|!<>;&%])
     """,
-    re.X,
+    re.X | re.ASCII,
 )
 
 _FUNCS = {
