@@ -13,57 +13,78 @@ import torch
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
 
 
+# A chunk holds at most this many logits (16 MiB in fp32), whatever `chunk_size` asks: at vocabulary 151,936 that
+# is 27 rows, so the fp32 temporaries stay a few percent of the logits themselves.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _rows_per_chunk(chunk_size: int, vocab: int) -> int:
+    return max(1, min(chunk_size, CHUNK_ELEMENTS // max(vocab, 1)))
+
+
+def _chunk_log_softmax(logits, s, e, temperature):
+    # the same kernel as the naive full log_softmax, row by row, so the values agree with it exactly
+    return torch.log_softmax(logits[s:e].float() / temperature, dim=-1)
+
+
 def _chunked_log_probs(logits, labels, chunk_size, temperature):
     rows = logits.shape[0]
+    chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     for s in range(0, rows, chunk_size):
-        chunk = logits[s:s + chunk_size].float() / temperature
-        lse[s:s + chunk_size] = torch.logsumexp(chunk, dim=-1)
-        out[s:s + chunk_size] = chunk.gather(-1, labels[s:s + chunk_size, None]).squeeze(-1) - lse[s:s + chunk_size]
-    return out, lse
+        e = s + chunk_size
+        out[s:e] = _chunk_log_softmax(logits, s, e, temperature).gather(-1, labels[s:e, None]).squeeze(-1)
+    return out
 
 
 class _SelectiveLogProb(torch.autograd.Function):
     """log_softmax(logits)[label] in fp32, computed chunk by chunk.
 
-    Never holds a [rows, vocab] fp32 tensor beyond one chunk: the forward keeps only the logits (in their own dtype)
-    and the per-row logsumexp, and the backward rebuilds softmax chunk by chunk. A plain `log_softmax(logits.float())`
-    would keep two fp32 copies of the logits alive for the backward.
+    Never holds a [rows, vocab] fp32 tensor beyond one chunk: the forward keeps only the logits (in their own dtype),
+    and the backward recomputes softmax chunk by chunk. A plain `log_softmax(logits.float())`
+    keeps an fp32 log-softmax for the backward and builds two more [rows, vocab] tensors in it.
+    With overwrite_logits, the backward writes the gradient into the logits' own storage (chunk by chunk, each
+    chunk read before it is overwritten), so the whole computation costs no [rows, vocab] tensor at all.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size, temperature):
-        out, lse = _chunked_log_probs(logits, labels, chunk_size, temperature)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+    def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits):
+        out = _chunked_log_probs(logits, labels, chunk_size, temperature)
+        ctx.save_for_backward(logits, labels)
+        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
+        ctx.temperature, ctx.overwrite = temperature, overwrite_logits
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         t = ctx.temperature
-        grad = torch.empty_like(logits)
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             e = s + ctx.chunk_size
-            g = -torch.exp(logits[s:e].float() / t - lse[s:e, None])  # d logp / d (logits/t) = onehot - softmax
+            g = _chunk_log_softmax(logits, s, e, t).exp_().neg_()  # d logp / d (logits/t) = onehot - softmax
             g.scatter_add_(-1, labels[s:e, None], torch.ones_like(g[:, :1]))
             grad[s:e] = (g * (grad_out[s:e, None] / t)).to(grad.dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
-                        temperature: float = 1.0) -> torch.Tensor:
+                        temperature: float = 1.0, overwrite_logits: bool = False) -> torch.Tensor:
     """logits [..., V], labels [...] -> fp32 log_softmax(logits / temperature)[label] of shape [...], without a full
     fp32 log-softmax. Dividing by the sampling temperature makes these the log-probs the completions were drawn
-    with."""
+    with. chunk_size bounds the rows processed at once (further capped at CHUNK_ELEMENTS logits).
+
+    overwrite_logits=True (memory lever for the training pass): the backward stores the gradient in the logits'
+    storage, so the logits hold garbage once backward has run; read them (e.g. entropy) before. Autograd still
+    raises if another node saved the same logits and needs them after. Use it only on logits that are contiguous
+    (a reshape must not copy) and that nothing else reads after the backward."""
     shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
     if torch.is_grad_enabled() and flat_logits.requires_grad:
-        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size, temperature)
+        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size, temperature, overwrite_logits)
     else:
-        out, _ = _chunked_log_probs(flat_logits, flat_labels, chunk_size, temperature)
+        out = _chunked_log_probs(flat_logits, flat_labels, chunk_size, temperature)
     return out.view(shape)
 
 
@@ -72,6 +93,7 @@ def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """Entropy of the next-token distribution per position, fp32, chunked (a monitoring signal, no grad)."""
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    chunk_size = _rows_per_chunk(chunk_size, flat.shape[-1])
     for s in range(0, flat.shape[0], chunk_size):
         lp = torch.log_softmax(flat[s:s + chunk_size].float(), dim=-1)
         out[s:s + chunk_size] = -(lp.exp() * lp).sum(-1)

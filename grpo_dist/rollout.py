@@ -69,28 +69,108 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, devi
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+def _filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then nucleus (top-p) filtering of [B, V] fp32 scores: dropped tokens get -inf. The most likely token
+    always survives."""
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1.0 - top_p  # the low tail holding at most 1 - top_p of the mass
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores
+
+
+def sample_from_scores(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(scores) by inverse CDF: a single uniform number per row. torch.multinomial
+    draws an exponential variate for every vocabulary entry, 15x slower at vocab 1k (bench/generation.py).
+    Tokens with probability 0 (filtered to -inf) are never drawn: the CDF does not rise there."""
+    cdf = scores.softmax(-1).cumsum_(-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` (the old name still works, with a warning)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def _sample_loop(model, ids, mask, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
+                 eos_ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
+    EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
+    afterwards; stops when every row is done. Positions skip the left padding. Returns [B, <= max_new_tokens].
+    Greedy decoding gives generate's tokens exactly; sampling draws from the same distribution with another use
+    of the RNG (sample_from_scores)."""
+    B, P = ids.shape
+    cache_kw = _cache_kwarg(model)
+    full_mask = torch.ones(B, P + max_new_tokens, dtype=mask.dtype, device=ids.device)
+    full_mask[:, :P] = mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    next_pos = pos[:, -1:] + 1
+    tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    for t in range(max_new_tokens):
+        scores = out.logits[:, -1].float()
+        if t < min_new_tokens:
+            scores[:, eos_ids] = float("-inf")
+        if do_sample:
+            if temperature != 1.0:
+                scores = scores / temperature
+            scores = _filter_scores(scores, top_k, top_p)
+            nxt = sample_from_scores(scores)
+        else:
+            nxt = scores.argmax(-1)
+        nxt = nxt.masked_fill(done, pad)
+        tokens[:, t] = nxt
+        done |= torch.isin(nxt, eos_ids)
+        if t == max_new_tokens - 1 or bool(done.all()):
+            return tokens[:, :t + 1]
+        out = model(input_ids=nxt[:, None], attention_mask=full_mask[:, :P + t + 1], position_ids=next_pos,
+                    use_cache=True, **{cache_kw: out["cache"] if "cache" in out else out.past_key_values})
+        next_pos = next_pos + 1
+    return tokens
+
+
 @torch.no_grad()
 def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str], num_generations: int,
                       max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       max_prompt_length: int = 512, generation_batch_size: int | None = None,
-                      min_completion_length: int = 0, do_sample: bool = True, **generate_kwargs) -> RolloutBatch:
-    """Sample num_generations completions for each prompt (rows grouped prompt by prompt). Extra keyword arguments
-    go to `model.generate` (e.g. logits processors)."""
+                      min_completion_length: int = 0, do_sample: bool = True, use_hf_generate: bool = False,
+                      **generate_kwargs) -> RolloutBatch:
+    """Sample num_generations completions for each prompt (rows grouped prompt by prompt).
+
+    A lean KV-cached loop does the sampling (HF `generate` spends more time in per-token Python than in the model
+    for small models: bench/generation.py). Extra keyword arguments (e.g. logits processors, stop strings) or
+    use_hf_generate=True route through `model.generate` instead. Only temperature / top_k / top_p / min length from
+    here apply in the lean loop; a checkpoint's generation_config.json sampling defaults do not."""
     device = next(model.parameters()).device
     ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
     ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
+    eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=device)
     chunk = generation_batch_size or len(ids)
     pieces = []
     for s in range(0, len(ids), chunk):
-        out = model.generate(
-            input_ids=ids[s:s + chunk], attention_mask=mask[s:s + chunk], do_sample=do_sample,
-            temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-            top_k=(top_k or None) if do_sample else None, max_new_tokens=max_completion_length,
-            min_new_tokens=min_completion_length or None, pad_token_id=pad, eos_token_id=eos,
-            synced_gpus=False, use_cache=True, **generate_kwargs)
-        pieces.append(out[:, ids.shape[1]:])
+        if use_hf_generate or generate_kwargs:
+            out = model.generate(
+                input_ids=ids[s:s + chunk], attention_mask=mask[s:s + chunk], do_sample=do_sample,
+                temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+                top_k=(top_k or None) if do_sample else None, max_new_tokens=max_completion_length,
+                min_new_tokens=min_completion_length or None, pad_token_id=pad, eos_token_id=eos,
+                synced_gpus=False, use_cache=True, **generate_kwargs)
+            pieces.append(out[:, ids.shape[1]:])
+        else:
+            # .clone() outside inference mode: the ids are later inputs of forward passes that record autograd
+            pieces.append(_sample_loop(model, ids[s:s + chunk], mask[s:s + chunk], max_completion_length,
+                                       temperature, top_p, top_k, min_completion_length, do_sample, eos_ids,
+                                       pad).clone())
     width = max(p.shape[1] for p in pieces)
     completion_ids = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
     row = 0
@@ -113,8 +193,15 @@ def sequence_inputs(batch: RolloutBatch) -> dict:
 
 
 def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
-    """Logits that predict each completion token: [N, C, V]. Only the completion positions are projected onto the
-    vocabulary (logits_to_keep), so prompt positions never cost a [*, vocab] tensor."""
-    c = batch.completion_ids.shape[1]
-    out = model(**sequence_inputs(batch), logits_to_keep=c + 1, use_cache=False)
-    return out.logits[:, :-1]
+    """Logits that predict each completion token: [N, C, V], contiguous. Only the C positions that predict a
+    completion token are projected onto the vocabulary (logits_to_keep as an index tensor), so prompt positions and
+    the last position never cost a [*, vocab] tensor, and no slice copy of the logits is needed later."""
+    p, c = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    keep = torch.arange(p - 1, p + c - 1, device=batch.completion_ids.device)
+    out = model(**sequence_inputs(batch), logits_to_keep=keep, use_cache=False)
+    n = out.logits.shape[1]
+    if n == c:
+        return out.logits
+    if n == p + c:  # a model that ignores logits_to_keep: every position came back
+        return out.logits[:, p - 1:-1]
+    raise ValueError(f"{type(model).__name__} returned logits for {n} positions with logits_to_keep of {c} indices")

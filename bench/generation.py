@@ -1,0 +1,113 @@
+"""Decode overhead: time per generated token of each sampler vs the model's raw KV-cached forward on the same batch.
+
+    python bench/generation.py                       # tiny Qwen2 (issue setting): 32 rows, 64 new tokens
+    python bench/generation.py --model /path/to/hf_model --rows 16 --new-tokens 128
+
+Decode time per token = (T(new_tokens) - T(1)) / (new_tokens - 1), so the prefill (and tokenisation, text
+decoding) cancels out; raw = the model's own forward alone on the same cached batch, fed fixed tokens, per step
+(the floor any sampler pays). Samplers: lean = grpo_dist's loop (what the trainer uses); lean+multinomial = the same
+loop drawing with torch.multinomial instead of the inverse CDF; hf = transformers' generate with the same settings.
+Every sampler is forced to emit exactly new_tokens (min length = max length). Medians over --reps alternating
+runs, in CPU seconds of this process (one thread: close to wall time on an idle machine, less disturbed by other
+jobs) and in wall seconds. Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF causal LM directory (default: the tiny Qwen2 of the issue)")
+    ap.add_argument("--tiny-hidden", type=int, default=128)
+    ap.add_argument("--tiny-layers", type=int, default=4)
+    ap.add_argument("--tiny-vocab", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--num-generations", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    import torch
+
+    import grpo_dist.rollout as ro
+    from bench_common import tiny_override
+    from grpo_dist.config import load_config
+    from grpo_dist.data import load_examples, render_prompt
+    from grpo_dist.models import load_model, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(None, [f"model.name_or_path={args.model}" if args.model else
+                             tiny_override(args.tiny_hidden, args.tiny_layers, args.tiny_vocab)])
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, tok).eval().requires_grad_(False)
+    prompts = [render_prompt(e, cfg.data, tok) for e in load_examples(cfg.data, "train")[:args.prompts]]
+    refs = ["0"] * len(prompts)
+    G, N = args.num_generations, args.new_tokens
+    multinomial = lambda scores: torch.multinomial(scores.softmax(-1), 1).squeeze(1)  # noqa: E731
+    lean_draw = ro.sample_from_scores
+
+    def sampler(kind, n):
+        ro.sample_from_scores = multinomial if kind == "lean+multinomial" else lean_draw
+        return ro.generate_rollouts(model, tok, prompts, refs, G, n, min_completion_length=n,
+                                    use_hf_generate=kind == "hf")
+
+    ids, mask = ro.tokenize_prompts(tok, prompts, 512, "cpu")
+    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    cache_kw = ro._cache_kwarg(model)
+
+    @torch.inference_mode()
+    def raw(n):
+        """Prefill, then n - 1 forwards of the cached batch (fixed next tokens): the model alone."""
+        B, P = ids.shape
+        full = torch.ones(B, P + n, dtype=mask.dtype)
+        full[:, :P] = mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        nxt = ids[:, -1:]
+        for t in range(n - 1):
+            out = model(input_ids=nxt, attention_mask=full[:, :P + t + 1], position_ids=pos[:, -1:] + 1 + t,
+                        use_cache=True, **{cache_kw: out["cache"] if "cache" in out else out.past_key_values})
+        return out
+
+    kinds = ["raw", "lean", "lean+multinomial", "hf"]
+    per_tok = {k: {"cpu": [], "wall": []} for k in kinds}
+    for rep in range(args.reps + 1):
+        for kind in (kinds if rep % 2 else kinds[::-1]):
+            t = {}
+            for n in (1, N):
+                w0, c0 = time.perf_counter(), time.process_time()
+                raw(n) if kind == "raw" else sampler(kind, n)
+                t[n] = (time.perf_counter() - w0, time.process_time() - c0)
+            if rep == 0:
+                continue  # warm-up
+            per_tok[kind]["wall"].append((t[N][0] - t[1][0]) / (N - 1))
+            per_tok[kind]["cpu"].append((t[N][1] - t[1][1]) / (N - 1))
+    ro.sample_from_scores = lean_draw
+    med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in per_tok.items()}
+    print(f"{len(ids)} rows x {N} new tokens, prompt width {ids.shape[1]}, {args.threads} thread(s), load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{'sampler':18} {'cpu ms/token':>13} {'vs raw':>7} {'wall ms/token':>14} {'vs raw':>7}")
+    for k in kinds:
+        print(f"{k:18} {med[k]['cpu'] * 1e3:13.2f} {med[k]['cpu'] / med['raw']['cpu']:7.2f} "
+              f"{med[k]['wall'] * 1e3:14.2f} {med[k]['wall'] / med['raw']['wall']:7.2f}")
+    print(json.dumps(dict(rows=len(ids), new_tokens=N, threads=args.threads, load_average=round(os.getloadavg()[0], 2),
+                          ms_per_token_cpu={k: round(v["cpu"] * 1e3, 3) for k, v in med.items()},
+                          ms_per_token_wall={k: round(v["wall"] * 1e3, 3) for k, v in med.items()},
+                          overhead_vs_raw_cpu={k: round(v["cpu"] / med["raw"]["cpu"], 3) for k, v in med.items()},
+                          overhead_vs_raw_wall={k: round(v["wall"] / med["raw"]["wall"], 3)
+                                                for k, v in med.items()})))
+
+
+if __name__ == "__main__":
+    main()
