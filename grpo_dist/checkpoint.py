@@ -1,15 +1,20 @@
-"""Checkpoints: output_dir/checkpoint-<step>/ as a Hugging Face model directory plus what exact resume needs.
+"""Checkpoints: output_dir/checkpoint-<step>/, a Hugging Face model directory plus what an exact resume needs.
 
-Layout of checkpoint-<step>/:
+Layout of checkpoint-<step>/ (save_format=full, the default below FULL_STATE_MAX_PARAMS parameters):
     config.json, model.safetensors, generation_config.json, tokenizer files   <- AutoModelForCausalLM.from_pretrained
-    optimizer.pt          full (FQN-keyed) optimizer state, from FSDP.optim_state_dict
-    trainer_state.json    step, data position, LR scheduler, world size, the resolved config
-    rng_state_<rank>.pt   torch / python / numpy RNG of every rank
+    optimizer.pt          full (FQN-keyed) optimizer state, gathered on rank 0
+    trainer_state.json    step, data position (epoch, step in epoch), LR scheduler, world size, the resolved config
+    rng_state_<rank>.pt   torch / python / numpy (/ cuda) RNG of every rank
     deepspeed/            (backend=deepspeed) DeepSpeed's own partitioned checkpoint: fp32 masters + optimizer
-    manifest.json         file sizes and sha256; written last: a checkpoint without it is incomplete
+    manifest.json         size and sha256 of every other file; written last: a checkpoint without it is incomplete
 
-A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once complete, so a crash while
-saving never leaves a half-written `checkpoint-<step>` and never touches the previous one.
+save_format=sharded replaces model.safetensors + optimizer.pt with sharded/, a torch.distributed.checkpoint (DCP)
+directory in which every rank writes its own shards of the model and optimizer state: nothing is gathered on one
+rank. config.json and the tokenizer are still written, so `python -m grpo_dist.export_checkpoint` can turn it into
+an HF safetensors directory.
+
+A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once the manifest is written, so a
+crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one.
 """
 
 from __future__ import annotations
@@ -26,11 +31,27 @@ import numpy as np
 import torch
 
 from grpo_dist import distributed as gdist
+from grpo_dist import faults
 
 MANIFEST = "manifest.json"
+SHARDED_DIR = "sharded"
+TMP_PREFIX = ".tmp-checkpoint-"
+# save_format=auto writes full-state checkpoints up to this many parameters, sharded (DCP) ones above. A full-state
+# save holds the fp32 weights and both AdamW moments (12 bytes per parameter, ~48 GB at 4B) in rank 0's host memory
+# and writes them from that one process; beyond this it is slow and the first thing to run out of memory.
+FULL_STATE_MAX_PARAMS = 4_000_000_000
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
+def resolve_save_format(save_format: str, num_params: int, engine) -> str:
+    """'full' or 'sharded' for save_format full | sharded | auto (by model size; full where the engine has no
+    sharded format)."""
+    if save_format == "auto":
+        return "sharded" if num_params > FULL_STATE_MAX_PARAMS and engine.supports_sharded() else "full"
+    return save_format
+
+
+# ------------------------------------------------------------------------------------------------------ manifest
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -47,20 +68,47 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _describe(ckpt: Path, names: list[str]) -> dict:
+    """fsync, size and sha256 of each file (the manifest entries)."""
+    out = {}
+    for name in names:
+        p = ckpt / name
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        out[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def _files(ckpt: Path) -> list[str]:
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
 def write_manifest(ckpt: Path) -> None:
-    files = {}
-    for p in sorted(ckpt.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-            files[str(p.relative_to(ckpt))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    """Single-process manifest (the collective save splits the hashing over ranks, see _write_manifest_collective)."""
+    _write_manifest_file(ckpt, _describe(ckpt, _files(ckpt)))
+
+
+def _write_manifest_file(ckpt: Path, files: dict) -> None:
     tmp = ckpt / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"files": files}, indent=1))
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, ckpt / MANIFEST)
 
 
+def _write_manifest_collective(ckpt: Path, ctx) -> None:
+    """Every rank fsyncs and hashes a share of the files (a sharded checkpoint can be hundreds of GB); rank 0
+    writes the manifest."""
+    names = gdist.broadcast_object(_files(ckpt) if ctx.is_main else None)
+    mine = _describe(ckpt, names[ctx.rank::ctx.world_size])
+    parts = gdist.gather_object(mine)
+    if ctx.is_main:
+        _write_manifest_file(ckpt, {k: v for part in parts for k, v in part.items()})
+
+
 def verify_checkpoint(ckpt: Path, check_hashes: bool = False) -> str | None:
-    """None when complete, else what is wrong."""
+    """None when complete, else what is wrong. Sizes always; sha256 only with check_hashes (reads every byte)."""
     m = ckpt / MANIFEST
     if not m.is_file():
         return "no manifest.json (incomplete save)"
@@ -77,6 +125,7 @@ def verify_checkpoint(ckpt: Path, check_hashes: bool = False) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------------- discovery
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     out = Path(output_dir)
     if not out.is_dir():
@@ -94,6 +143,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def resolve_resume_path(value: str | None, output_dir: str) -> Path | None:
+    """'auto': the newest complete checkpoint in output_dir, or None (start fresh) when there is none."""
     if not value:
         return None
     if value == "auto":
@@ -105,6 +155,11 @@ def resolve_resume_path(value: str | None, output_dir: str) -> Path | None:
     return p
 
 
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -118,29 +173,44 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# --------------------------------------------------------------------------------------------------- save, load
 def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, trainer_state: dict, ctx,
-                    save_total_limit: int | None = None, keep: Path | None = None) -> Path:
-    """Collective: every rank calls it. Rank 0 writes the model, optimizer and trainer state; each rank its RNG."""
+                    save_total_limit: int | None = None, keep: Path | None = None,
+                    save_format: str = "full") -> Path:
+    """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
+    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune."""
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
-    tmp = out / f".tmp-checkpoint-{step}"
-    model_sd, optim_sd = engine.gather_full_state()
+    tmp = out / f"{TMP_PREFIX}{step}"
     if ctx.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save; never complete
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
     gdist.barrier()
+    if save_format == "sharded":
+        engine.save_sharded(tmp / SHARDED_DIR)
+        if ctx.is_main:  # what an export needs besides the weights
+            hf_model.config.save_pretrained(tmp)
+            if getattr(hf_model, "generation_config", None) is not None:
+                hf_model.generation_config.save_pretrained(tmp)
+    else:
+        model_sd, optim_sd = engine.gather_full_state()
+        if ctx.is_main:
+            hf_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
+            torch.save(optim_sd, tmp / "optimizer.pt")
+        del model_sd, optim_sd
     if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)
         engine.save_engine_state(tmp)
     torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
     if ctx.is_main:
-        hf_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        torch.save(optim_sd, tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
-    gdist.barrier()  # all RNG files are written
+        (tmp / "trainer_state.json").write_text(
+            json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
+    faults.inject("kill_save", step, ctx.rank)
+    gdist.barrier()  # every rank's files are written
+    _write_manifest_collective(tmp, ctx)
     if ctx.is_main:
-        write_manifest(tmp)
         if final.exists():  # a stale copy of this very step (re-run after a crash): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -161,24 +231,31 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) ->
 
 
 def load_checkpoint(path: Path, engine, ctx) -> dict:
-    """Collective: loads model + optimizer into the engine (rank 0 reads, the others receive), restores this rank's
-    RNG, and returns the trainer state."""
-    from safetensors.torch import load_file
-
-    state = json.loads((path / "trainer_state.json").read_text())
-    saved_world = state.get("world_size")
-    model_sd = optim_sd = None
-    if ctx.is_main:
-        files = sorted(path.glob("*.safetensors"))
-        model_sd = {}
-        for f in files:
-            model_sd.update(load_file(str(f)))
-        optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
-    engine.load_full_state(model_sd, optim_sd)
+    """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
+    size is unchanged). Returns the trainer state, with `rng_restored` set."""
+    path = Path(path)
+    state = read_trainer_state(path)
+    if (path / SHARDED_DIR).is_dir():
+        if not engine.supports_sharded():
+            raise ValueError(f"{path} is a sharded (DCP) checkpoint, which this distributed.backend cannot load; "
+                             f"export it with `python -m grpo_dist.export_checkpoint {path} OUT_DIR` and start "
+                             f"from model.name_or_path=OUT_DIR (the optimizer state is then fresh)")
+        engine.load_sharded(path / SHARDED_DIR)  # DCP reshards to this world size
+    else:
+        from safetensors.torch import load_file
+        model_sd = optim_sd = None
+        if ctx.is_main:
+            model_sd = {}
+            for f in sorted(path.glob("*.safetensors")):
+                model_sd.update(load_file(str(f)))
+            optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
+        engine.load_full_state(model_sd, optim_sd)
+        del model_sd, optim_sd
     if hasattr(engine, "load_engine_state"):
         engine.load_engine_state(path)
     engine.load_scheduler_state(state["scheduler"])
     rng_file = path / f"rng_state_{ctx.rank}.pt"
-    if saved_world == ctx.world_size and rng_file.is_file():
+    state["rng_restored"] = state.get("world_size") == ctx.world_size and rng_file.is_file()
+    if state["rng_restored"]:
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state

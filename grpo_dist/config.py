@@ -98,7 +98,12 @@ class GRPOConfig:
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")
     save_final: bool = _f(True, "write a checkpoint after the last step")
-    resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto'")
+    save_format: str = _f("auto", "checkpoint format: full (HF safetensors + optimizer gathered on rank 0) | sharded "
+                          "(torch.distributed.checkpoint, every rank writes its shards; export_checkpoint makes "
+                          "an HF directory) | auto (full up to 4B parameters, sharded above)",
+                          ("auto", "full", "sharded"))
+    resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto' (the newest "
+                                               "complete checkpoint in output_dir; start fresh if there is none)")
     logging_steps: int = _f(1, "print metrics every N steps (metrics.jsonl gets every step)")
     eval_steps: int = _f(0, "evaluate on data.eval_path every N steps (0: never)")
     report_to: list = _f(factory=lambda: ["jsonl"], help="metric sinks: jsonl, tensorboard, wandb")
@@ -150,10 +155,12 @@ class GRPOConfig:
     def validate(self) -> None:
         _check_choices(self, "")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
-                    "micro_batch_size", "logprob_chunk_size", "logging_steps"]
+                    "micro_batch_size", "logprob_chunk_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
             if getattr(self, k) < 1:
                 raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:
             raise ConfigError("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         if self.temperature <= 0:

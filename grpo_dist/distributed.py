@@ -93,3 +93,12 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def gather_object(obj, dst: int = 0) -> list | None:
+    """The list of every rank's `obj` on rank `dst`, None elsewhere (pickled; for small metadata only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out

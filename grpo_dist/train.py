@@ -1,7 +1,9 @@
 """`torchrun --nproc_per_node N -m grpo_dist.train --config configs/X.yaml [key=value ...]`
 
 Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes: 0 done, 2 bad config or data,
-75 stopped by SIGTERM/SIGUSR1 after writing a checkpoint (requeue and resume with resume_from_checkpoint=auto).
+3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or gradient (the last checkpoint is
+intact), 75 stopped by SIGTERM/SIGUSR1 after writing a checkpoint (requeue and resume with
+resume_from_checkpoint=auto).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist
-    from grpo_dist.trainer import GRPOTrainer
+    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError
 
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
 
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         code = 2
+    except NonFiniteError as e:
+        print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        code = NONFINITE_EXIT_CODE
     finally:
         gdist.cleanup()
     return code

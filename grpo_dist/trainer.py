@@ -28,9 +28,10 @@ import torch
 
 from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
+from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
-from grpo_dist.config import GRPOConfig
-from grpo_dist.data import PromptSampler, load_examples, render_prompt
+from grpo_dist.config import ConfigError, GRPOConfig
+from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, token_entropy, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
@@ -39,6 +40,7 @@ from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
+NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
 
 
 class NonFiniteError(RuntimeError):
@@ -65,7 +67,12 @@ class GRPOTrainer:
         # The generation replica: a plain copy of the policy, refreshed from the shards every step.
         self.gen_model = copy.deepcopy(policy).eval()
         self.gen_model.requires_grad_(False)
+        num_params = sum(p.numel() for p in policy.parameters())
         self.engine = build_engine(cfg, policy, ctx)
+        if cfg.save_format == "sharded" and not self.engine.supports_sharded():
+            raise ConfigError(f"config key 'save_format' = sharded is not supported by distributed.backend="
+                              f"{cfg.distributed.backend}; use full or auto")
+        self.save_format = ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
         self.ref_model = None
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             self.ref_model = self.engine.wrap_reference(load_model(cfg.model, self.tokenizer).to(ctx.device))
@@ -96,21 +103,30 @@ class GRPOTrainer:
         path = gdist.broadcast_object(str(path) if path else None)
         if path is None:
             return
+        saved = ckpt.read_trainer_state(Path(path))
+        # Checked before any weight is read: a different world size resumes only where the state maps onto it.
+        try:
+            copy.copy(self.sampler).load_state_dict(saved["sampler"])  # the same checks, on a throwaway copy
+        except DataError as e:
+            hint = ""
+            global_batch = saved["sampler"]["prompts_per_rank"] * saved["sampler"]["world_size"]
+            if saved["world_size"] != self.ctx.world_size and global_batch % self.ctx.world_size == 0:
+                hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
+            raise DataError(f"{path}: {e}{hint}") from None
         state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
-        if state["world_size"] != self.ctx.world_size:
-            global_batch = state["sampler"]["prompts_per_rank"] * state["sampler"]["world_size"]
-            if global_batch != self.cfg.prompts_per_rank * self.ctx.world_size:
-                raise ValueError(
-                    f"{path} was written by {state['world_size']} ranks with prompts_per_rank="
-                    f"{state['sampler']['prompts_per_rank']}; resuming with {self.ctx.world_size} ranks needs the "
-                    f"same global batch ({global_batch} prompts per step): set prompts_per_rank="
-                    f"{global_batch // self.ctx.world_size if global_batch % self.ctx.world_size == 0 else '?'}")
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.resumed_from = Path(path)
+        if not state["rng_restored"]:
+            # Per-rank RNG streams do not map onto another world size: fresh streams, distinct per step and rank
+            # (the prompt order, weights and optimizer state still continue exactly).
+            self._seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.step, self.ctx.rank])
+                                      .generate_state(1)[0]))
         if self.ctx.is_main:
-            print(f"[grpo_dist] resumed from {path} at step {self.step}", flush=True)
+            note = "" if state["rng_restored"] else (f" (written by {state['world_size']} ranks, now "
+                                                     f"{self.ctx.world_size}: sampling RNG reseeded)")
+            print(f"[grpo_dist] resumed from {path} at step {self.step}{note}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
@@ -335,10 +351,11 @@ class GRPOTrainer:
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.engine.scheduler_state(),
-                "world_size": self.ctx.world_size, "nonfinite_steps": self.nonfinite_steps,
-                "config": self.cfg.to_dict()}
+        return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
+                "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
+                "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
-                                    self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from)
+                                    self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
+                                    self.save_format)

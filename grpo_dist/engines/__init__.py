@@ -48,6 +48,19 @@ class Engine:
         """Inverse of gather_full_state: rank 0 passes the dicts, the others None. Collective."""
         raise NotImplementedError
 
+    def save_sharded(self, path) -> None:
+        """Optional (save_format=sharded): write model + optimizer state as a torch.distributed.checkpoint (DCP)
+        directory at `path`, every rank its own shards, nothing gathered. Collective. The model entries must be
+        under "model." with the plain HF parameter names, so export_checkpoint can read them."""
+        raise NotImplementedError
+
+    def load_sharded(self, path) -> None:
+        """Inverse of save_sharded, also at another world size (DCP reshards). Collective."""
+        raise NotImplementedError
+
+    def supports_sharded(self) -> bool:
+        return type(self).save_sharded is not Engine.save_sharded
+
     def scheduler_state(self) -> dict:
         raise NotImplementedError
 

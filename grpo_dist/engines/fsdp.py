@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -23,6 +24,15 @@ def clean_name(name: str) -> str:
     for p in _WRAPPER_PREFIXES:
         name = name.replace(p, "")
     return name
+
+
+@contextlib.contextmanager
+def _quiet_sharded_warnings():
+    """FSDP1's sharded state dicts warn on every call (deprecations inside torch, not actionable here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
+        yield
 
 
 class FSDPEngine(Engine):
@@ -128,6 +138,25 @@ class FSDPEngine(Engine):
         if optim_state is not None or not self.ctx.is_main:
             set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
                                      options=opts)
+
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # this rank's shards, plain FQNs
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_sharded(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        with _quiet_sharded_warnings():
+            dcp.save(self._sharded_state(), checkpoint_id=str(path))
+
+    def load_sharded(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        with _quiet_sharded_warnings():
+            state = self._sharded_state()  # the shapes and shards to read into
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
 
     def scheduler_state(self) -> dict:
         return self.scheduler.state_dict()

@@ -1,0 +1,48 @@
+"""Test-only fault injection, driven by one environment variable so that production code paths stay plain.
+
+    GRPO_DIST_FAULT="KIND@stepN[@rankR],..."     e.g. "nan@step3@rank1" or "kill@step3@rank1,kill_save@step4@rank0"
+
+KIND is one of
+    nan         the loss of optimizer step N on rank R is NaN (and so are its gradients)
+    kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
+    kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
+
+Without `@rankR` the fault hits every rank. Faults fire only in the first attempt of an elastic job
+(TORCHELASTIC_RESTART_COUNT unset or 0), so a job restarted by `torchrun --max-restarts` runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+
+ENV = "GRPO_DIST_FAULT"
+KINDS = ("nan", "kill", "kill_save")
+_ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
+
+
+def planned() -> list[tuple[str, int, int | None]]:
+    text = os.environ.get(ENV, "").strip()
+    if not text or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return []
+    out = []
+    for item in text.split(","):
+        m = _ITEM.match(item.strip())
+        if not m or m["kind"] not in KINDS:
+            raise ValueError(f"{ENV}: cannot read {item!r}; expected KIND@stepN[@rankR] with KIND in {KINDS}")
+        out.append((m["kind"], int(m["step"]), int(m["rank"]) if m["rank"] is not None else None))
+    return out
+
+
+def inject(kind: str, step: int, rank: int) -> bool:
+    """True when a `kind` fault is planned for this step and rank; the kill kinds do not return."""
+    for k, s, r in planned():
+        if k == kind and s == step and r in (None, rank):
+            if kind.startswith("kill"):
+                print(f"[grpo_dist] {ENV}: rank {rank} kills itself ({kind} at step {step})", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return True
+    return False
