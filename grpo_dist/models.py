@@ -133,8 +133,27 @@ def load_tokenizer(cfg: ModelConfig):
                                                            trust_remote_code=cfg.trust_remote_code))
 
 
-def load_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
-    """The policy (or a reference copy): pretrained when name_or_path is set, else a tiny random model."""
+def load_on_rank0_only(cfg, world_size: int) -> bool:
+    """Whether rank 0 alone reads pretrained weights and the other ranks build on the meta device and receive
+    their shards (host RAM then holds about one model copy per node during loading, not one per rank). Same answer
+    on every rank. Tiny random models are seeded identically on every rank and need none of it."""
+    return (cfg.model.name_or_path is not None and world_size > 1 and cfg.distributed.backend == "fsdp")
+
+
+def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Give every meta parameter real (uninitialised) storage on `device`; buffers are left alone (empty-weight
+    init builds them for real). The values must come from elsewhere (a broadcast, copy_weights_to)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                         requires_grad=p.requires_grad))
+    return model
+
+
+def load_model(cfg: ModelConfig, tokenizer, on_meta: bool = False) -> torch.nn.Module:
+    """The policy (or a reference copy): pretrained when name_or_path is set, else a tiny random model.
+    on_meta: the architecture only, parameters on the meta device (no weights read, no memory), buffers real."""
     if cfg.name_or_path is None:
         if cfg.tiny is None:
             raise ConfigError("set 'model.name_or_path' (an HF model) or 'model.tiny' (a random model to build)")
@@ -142,7 +161,18 @@ def load_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
     kwargs = dict(dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    if on_meta:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        with init_empty_weights():  # include_buffers=False: rotary inv_freq etc. are computed for real
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(cfg.name_or_path)
+        except OSError:
+            pass
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

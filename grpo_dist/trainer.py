@@ -35,7 +35,7 @@ from grpo_dist.data import DataError, PromptSampler, load_examples, render_promp
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, token_entropy, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.models import load_model, load_tokenizer
+from grpo_dist.models import load_model, load_on_rank0_only, load_tokenizer, materialize_meta
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
 
@@ -63,9 +63,16 @@ class GRPOTrainer:
         self.cfg, self.ctx = cfg, ctx
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
         self.tokenizer = load_tokenizer(cfg.model)
-        policy = load_model(cfg.model, self.tokenizer).to(ctx.device)
-        # The generation replica: a plain copy of the policy, refreshed from the shards every step.
+        # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
+        # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
+        meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
+        policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
+        policy = policy if meta else policy.to(ctx.device)
+        # The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
+        # is untouched until the first refresh on meta-built ranks).
         self.gen_model = copy.deepcopy(policy).eval()
+        if meta:
+            materialize_meta(self.gen_model, ctx.device)
         self.gen_model.requires_grad_(False)
         num_params = sum(p.numel() for p in policy.parameters())
         self.engine = build_engine(cfg, policy, ctx)
@@ -75,7 +82,8 @@ class GRPOTrainer:
         self.save_format = ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
         self.ref_model = None
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
-            self.ref_model = self.engine.wrap_reference(load_model(cfg.model, self.tokenizer).to(ctx.device))
+            ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
+            self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
         self.train_examples = load_examples(cfg.data, "train")
         self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)

@@ -123,3 +123,50 @@ def test_completion_logits_are_the_completion_slice_of_the_full_forward():
     p, c = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     assert got.is_contiguous() and got.shape == (len(batch), c, full.shape[-1])
     assert torch.allclose(got, full[:, p - 1:p + c - 1], atol=1e-5)
+
+
+def _rank0_load(rank, world_size, model_dir):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.engines.fsdp import clean_name
+    from grpo_dist.models import load_on_rank0_only
+    from grpo_dist.trainer import GRPOTrainer
+    ctx = init_distributed(120)
+    cfg = load_config(None, [f"model.name_or_path={model_dir}", "beta=0.04", "reward_workers=0", "report_to=[]",
+                             "progress_bar=false", "output_dir=/tmp/unused", "num_generations=2",
+                             "prompts_per_rank=1", "max_completion_length=4", "micro_batch_size=2",
+                             "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]"])
+    assert load_on_rank0_only(cfg, world_size)
+    tr = GRPOTrainer(cfg, ctx)
+    tr.engine.copy_weights_to(tr.gen_model)
+    out = {"replica": {k: v.clone() for k, v in tr.gen_model.named_parameters()},
+           "buffers": {k: v.clone() for k, v in tr.gen_model.named_buffers()}}
+    with FSDP.summon_full_params(tr.ref_model, writeback=False):
+        out["ref"] = {clean_name(k): v.clone() for k, v in tr.ref_model.named_parameters()}
+    out["ref_buffers"] = {clean_name(k): v.clone() for k, v in tr.ref_model.named_buffers()}
+    out["loss"] = tr.train_step()["loss"]  # and a whole step runs on the meta-built ranks
+    return out
+
+
+def test_pretrained_weights_read_by_rank0_reach_every_rank_exactly(tmp_path):
+    from dist_utils import run_ranks
+    tok, model = _model()
+    with torch.no_grad():  # weights no seeded init can reproduce
+        g = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    saved = {k: v.clone() for k, v in model.named_parameters()}
+    ranks = run_ranks(_rank0_load, 2, tmp_path, str(tmp_path / "m"))
+    for r, res in enumerate(ranks):
+        for part in ("replica", "ref"):
+            assert res[part].keys() == saved.keys()
+            for k, v in saved.items():
+                assert torch.equal(res[part][k], v), (r, part, k)
+        for k, v in ranks[0]["buffers"].items():  # e.g. rotary inv_freq, built for real on the meta ranks
+            assert torch.equal(res["buffers"][k], v) and torch.isfinite(v).all(), (r, k)
+            assert torch.equal(res["ref_buffers"][k], v), (r, k)
+        assert res["loss"] == ranks[0]["loss"]

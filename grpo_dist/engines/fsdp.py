@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist.engines import Engine, StepResult, lr_lambda
-from grpo_dist.models import decoder_layer_classes
+from grpo_dist.models import decoder_layer_classes, load_on_rank0_only, materialize_meta
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -66,7 +66,12 @@ class FSDPEngine(Engine):
             low = torch.bfloat16 if dcfg.mixed_precision == "bf16" else torch.float16
             mp = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32 if trainable else low)
         on_cuda = self.ctx.device.type == "cuda"
-        return FSDP(
+        rank0_load = load_on_rank0_only(self.cfg, self.ctx.world_size)
+        # Rank 0 read the weights; the other ranks hold a meta model. CPU: keep rank 0's full state to broadcast
+        # after wrapping (sync_module_states is refused on CPU); the tensors are the model's own, not copies.
+        full_state = model.state_dict() if rank0_load and not on_cuda and self.ctx.is_main else {}
+        device = self.ctx.device
+        wrapped = FSDP(
             model,
             sharding_strategy=ShardingStrategy[dcfg.sharding_strategy],
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
@@ -75,10 +80,19 @@ class FSDPEngine(Engine):
             device_id=self.ctx.device,  # required on CPU too, else FSDP looks for an accelerator
             use_orig_params=True,
             limit_all_gathers=True,
-            # On CUDA every rank may build on the meta device / rank 0 loads; on CPU this is refused, and the
-            # identical seeded init (or identical checkpoint) on every rank makes it unnecessary.
+            # On CUDA rank 0's weights are broadcast while wrapping (the others built on the meta device); on CPU
+            # this is refused: seeded tiny models are identical anyway, pretrained ones get the broadcast below.
             sync_module_states=on_cuda,
+            # meta parameters get storage unit by unit as FSDP wraps, and are sharded at once: a non-zero rank
+            # never holds more than one unsharded decoder layer of a meta-built model
+            param_init_fn=(lambda m: materialize_meta(m, device)) if rank0_load else None,
         )
+        if rank0_load and not on_cuda:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            set_model_state_dict(wrapped, full_state, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=True))
+            del full_state
+        return wrapped
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(False)
