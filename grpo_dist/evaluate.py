@@ -1,12 +1,27 @@
-"""Accuracy of a model on a prompt set: greedy pass@1 (and pass@K with sampling).
+"""Accuracy of a model on a prompt set: greedy pass@1, and pass@k from K samples per problem.
 
-    python -m grpo_dist.evaluate --model DIR --data FILE [--num-samples K]
+    python -m grpo_dist.evaluate --model DIR --data FILE [--num-samples K] [--config YAML] [key=value ...]
     torchrun --nproc_per_node 2 -m grpo_dist.evaluate --model DIR --data FILE
 
-Ranks split the examples and sum their counts; the last line printed is one JSON object with "accuracy".
+--model is an HF model directory, a checkpoint, or a training output_dir (its newest complete checkpoint is used).
+--data is a .jsonl/.json/.parquet file read with the config's data fields (e.g. data.prompt_field=problem); without
+it the config's held-out split is used (data.eval_path, or the preset's eval split: GSM8K test, MATH-500, or the
+held-out arithmetic problems). --config supplies the prompt template, reward functions and sampling settings
+(default: the trainer's defaults); trailing key=value pairs override it like in training.
+
+A completion counts as correct when the first reward function gives it full marks (>= 1). Ranks split the problems
+(rank r takes every world_size-th) and sum their counts, so the result does not depend on the number of ranks.
+pass@k uses the unbiased estimator from n = K samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
+averaged over problems. The last line printed is one JSON object with "accuracy" (= greedy pass@1).
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -15,26 +30,179 @@ from grpo_dist.data import render_prompt
 from grpo_dist.rollout import generate_rollouts
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct) from n samples of which c are correct:
+    1 - C(n-c, k) / C(n, k), computed as a product to stay exact-ish for large n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def k_values(n: int) -> list[int]:
+    """The k reported for n samples: 1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def _correct_flags(rewards, completions, references) -> list[bool]:
+    """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
+    totals, per_function = rewards(completions, references)
+    first = next(iter(per_function.values()), totals) if per_function else totals
+    return [float(r) >= 1.0 for r in first]
+
+
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
-                    batch_size: int = 64) -> list[list[float]]:
-    """Per example, the rewards of its num_samples completions."""
-    scores = []
+                    batch_size: int = 64, bar=None) -> list[int]:
+    """Per example, how many of its num_samples completions are correct."""
+    counts = []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
         prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
         batch = generate_rollouts(model, tokenizer, prompts, [e.answer for e in chunk], num_samples,
                                   cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
-                                  cfg.data.max_prompt_length, do_sample=do_sample)
-        r, _ = rewards(batch.completions, batch.references)
-        scores += [r[i * num_samples:(i + 1) * num_samples] for i in range(len(chunk))]
-    return scores
+                                  cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample)
+        flags = _correct_flags(rewards, batch.completions, batch.references)
+        counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
+        if bar is not None:
+            bar.update(len(chunk))
+    return counts
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards) -> float:
-    """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example)."""
+def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64) -> float:
+    """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
+    must call it (one all-reduce)."""
+    was_training = model.training
+    model.eval()  # no dropout while generating
     mine = examples[ctx.rank::ctx.world_size]
-    scores = _score_examples(model, tokenizer, mine, cfg, rewards, 1, do_sample=False) if mine else []
-    correct = sum(1.0 for s in scores if s[0] >= 1.0)
-    total = gdist.all_reduce_sum([correct, len(mine)], ctx.device)
+    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size) if mine else []
+    total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
+    model.train(was_training)
     return float(total[0] / max(float(total[1]), 1.0))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
+             progress: bool = False) -> dict:
+    """Greedy pass@1 and, with num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it."""
+    model.eval()
+    mine = examples[ctx.rank::ctx.world_size]
+    bar = None
+    if progress and ctx.is_main and sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=len(mine) * (2 if num_samples else 1), desc="evaluate (rank 0)", unit="problem")
+    t0 = time.perf_counter()
+    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar) if mine else []
+    sums = [float(sum(greedy)), float(len(mine))]
+    ks = k_values(num_samples) if num_samples > 0 else []
+    if ks:
+        sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
+                                  max(1, batch_size // num_samples), bar) if mine else []
+        sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
+    if bar is not None:
+        bar.close()
+    total = gdist.all_reduce_sum(sums, ctx.device)
+    n = max(float(total[1]), 1.0)
+    result = {"accuracy": float(total[0] / n), "num_examples": int(total[1])}
+    for i, k in enumerate(ks):
+        result[f"pass@{k}"] = float(total[2 + i] / n)
+    if ks:
+        result["num_samples"] = num_samples
+        result["temperature"] = cfg.temperature
+    result["eval_time_s"] = time.perf_counter() - t0
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+def resolve_model_dir(path: str) -> str:
+    """An HF model dir as is; a training output_dir -> its newest complete checkpoint."""
+    p = Path(path)
+    if (p / "config.json").is_file() or not p.is_dir():
+        return path  # a hub id or a model directory
+    from grpo_dist.checkpoint import latest_checkpoint
+    ck = latest_checkpoint(p)
+    if ck is None:
+        raise FileNotFoundError(f"--model {path}: no config.json and no complete checkpoint-<step>/ inside")
+    return str(ck)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF model dir, checkpoint dir, or training output_dir")
+    p.add_argument("--data", help="prompt file (.jsonl/.json/.parquet/hf:NAME); default: the config's eval split")
+    p.add_argument("--config", help="YAML config for prompt template, rewards and sampling (default: defaults)")
+    p.add_argument("--num-samples", type=int, default=0, help="K sampled completions per problem for pass@k")
+    p.add_argument("--limit", type=int, help="evaluate only the first N problems")
+    p.add_argument("--batch-size", type=int, default=64, help="problems generated at once per rank (greedy)")
+    p.add_argument("--output", help="also write the JSON result to this file (rank 0)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. temperature=0.6")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from grpo_dist.config import ConfigError, load_config
+    from grpo_dist.data import DataError, load_examples
+    from grpo_dist.models import load_model, load_tokenizer
+    from grpo_dist.rewards import RewardComputer
+
+    if args.num_samples < 0 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        print("grpo_dist.evaluate: --num-samples must be >= 0, --batch-size and --limit >= 1", file=sys.stderr)
+        return 2
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append(f"data.eval_path={args.data}")
+    try:
+        model_dir = resolve_model_dir(args.model)
+        cfg = load_config(args.config, overrides + [f"model.name_or_path={model_dir}"])
+        cfg.model.tiny = None
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"grpo_dist.evaluate: {e}", file=sys.stderr)
+        return 2
+
+    ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
+    rewards = None
+    try:
+        examples = load_examples(cfg.data, "eval")
+        if not examples:
+            raise DataError("no evaluation problems: pass --data FILE, or use a config whose data preset has a "
+                            "held-out split (gsm8k, math, arithmetic) or sets data.eval_path")
+        examples = examples[:args.limit] if args.limit else examples
+        tokenizer = load_tokenizer(cfg.model)
+        model = load_model(cfg.model, tokenizer).to(ctx.device)
+        rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,
+                          progress=True)
+        result["model"] = model_dir
+        if ctx.is_main:
+            print(f"greedy pass@1: {result['accuracy']:.4f} on {result['num_examples']} problems")
+            for k in (k_values(args.num_samples) if args.num_samples else []):
+                print(f"pass@{k}: {result[f'pass@{k}']:.4f} ({args.num_samples} samples per problem, "
+                      f"temperature {cfg.temperature})")
+            if args.output:
+                Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+            print(json.dumps(result), flush=True)
+        code = 0
+    except (ConfigError, DataError) as e:
+        print(f"grpo_dist.evaluate: rank {ctx.rank}: {e}", file=sys.stderr)
+        code = 2
+    finally:
+        if rewards is not None:
+            rewards.close()
+        gdist.cleanup()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

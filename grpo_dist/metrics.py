@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.logging_steps = logging_steps
         self._jsonl = self._tb = self._wandb = self._bar = None
+        self._last_eval = None
         if not enabled:
             return
         out = Path(output_dir)
@@ -41,7 +43,9 @@ class MetricsLogger:
         if "wandb" in report_to:
             try:
                 import wandb
-                self._wandb = wandb.init(project="grpo_dist", dir=str(out), config=config or {}, resume="allow")
+                # WANDB_PROJECT / WANDB_MODE=offline etc. are honoured; the run is named after output_dir.
+                self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo_dist"), name=out.resolve().name,
+                                         dir=str(out), config=config or {}, resume="allow")
             except ImportError:
                 print("[grpo_dist] report_to has wandb but wandb is not installed; skipping it", file=sys.stderr)
         if progress_bar and sys.stderr.isatty():
@@ -65,8 +69,11 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(reward=_fmt(metrics.get("reward_mean", 0.0)),
-                                  step_s=_fmt(metrics.get("step_time_s", 0.0)))
+            post = dict(reward=f"{metrics.get('reward_mean', 0.0):.3f}", step_s=f"{metrics.get('step_time_s', 0.0):.2f}")
+            if self._last_eval is not None or "eval_accuracy" in metrics:
+                self._last_eval = metrics.get("eval_accuracy", self._last_eval)
+                post["eval_acc"] = f"{self._last_eval:.3f}"
+            self._bar.set_postfix(post)
         if step % self.logging_steps == 0 or "eval_accuracy" in metrics:
             line = " ".join(f"{k}={_fmt(metrics[k])}" for k in ("step",) + CONSOLE_KEYS + ("eval_accuracy",)
                             if k in metrics)

@@ -1,0 +1,91 @@
+"""grpo_dist.evaluate: the pass@k estimator against its written-out definition, and the CLI under torchrun (2 ranks
+split the problems and reduce) against the same evaluation in one process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_dist.evaluate import k_values, pass_at_k
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("n,c,k", [(8, 0, 1), (8, 1, 1), (8, 3, 2), (8, 3, 8), (8, 8, 4), (16, 5, 4), (10, 9, 2)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k):
+    # Definition (Chen et al. 2021): pass@k = 1 - C(n-c, k) / C(n, k)
+    expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    if n <= 10:
+        # ... which is the fraction of the k-subsets of the n samples that contain a correct one.
+        samples = [1] * c + [0] * (n - c)
+        subsets = list(itertools.combinations(range(n), k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(samples[i] for i in s) for s in subsets) / len(subsets))
+
+
+def test_pass_at_k_edges():
+    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)  # pass@1 = mean accuracy of the samples
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+    assert k_values(8) == [1, 2, 4, 8] and k_values(6) == [1, 2, 4, 6] and k_values(1) == [1]
+
+
+def test_cli_two_ranks_match_one_process(tmp_path):
+    """torchrun x2 runs `python -m grpo_dist.evaluate` on an odd number of problems; its greedy accuracy and count
+    must equal one in-process evaluation of the same model (ranks take every other problem and sum)."""
+    from grpo_dist.config import ModelConfig, load_config
+    from grpo_dist.data import load_examples
+    from grpo_dist.distributed import DistContext
+    from grpo_dist.evaluate import evaluate
+    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+    from grpo_dist.rewards import RewardComputer
+
+    mcfg = ModelConfig(tiny=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=64), init_seed=3)
+    tok = build_tiny_tokenizer(mcfg)
+    model_dir = tmp_path / "model"
+    build_tiny_model(mcfg, tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "probs.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a + 1}=", "answer": str(2 * a + 1)}) + "\n"
+                            for a in range(11)))
+    cfg_path = tmp_path / "eval.yaml"
+    cfg_path.write_text("max_completion_length: 3\nreward_workers: 0\n"
+                        "rewards: [{function: 'reward_fns:char_parity', weight: 1.0}]\n")
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_dist.evaluate",
+           "--model", str(model_dir), "--data", str(data), "--config", str(cfg_path), "--num-samples", "4",
+           "--output", str(tmp_path / "result.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "result.json").read_text())["accuracy"] == last["accuracy"]
+    assert last["num_examples"] == 11
+    assert {"pass@1", "pass@2", "pass@4"} <= set(last)
+    assert last["pass@1"] <= last["pass@2"] <= last["pass@4"] <= 1.0
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        cfg = load_config(cfg_path, [f"model.name_or_path={model_dir}", f"data.eval_path={data}"])
+        tokenizer = load_tokenizer(cfg.model)
+        model = load_model(cfg.model, tokenizer)
+        with RewardComputer(cfg.rewards, num_workers=0) as rewards:
+            one = evaluate(model, tokenizer, load_examples(cfg.data, "eval"), cfg,
+                           DistContext(0, 1, 0, torch.device("cpu"), "gloo"), rewards)
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    assert one["num_examples"] == 11
+    assert one["accuracy"] == pytest.approx(last["accuracy"])
+    assert 0.0 < one["accuracy"] < 1.0  # a real mix, so a wrong split or reduction would show
