@@ -143,11 +143,14 @@ def load_on_rank0_only(cfg, world_size: int) -> bool:
 def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:
     """Give every meta parameter real (uninitialised) storage on `device`; buffers are left alone (empty-weight
     init builds them for real). The values must come from elsewhere (a broadcast, copy_weights_to)."""
+    made: dict[int, torch.nn.Parameter] = {}  # tied weights (embeddings = lm_head) must stay one parameter
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
-                setattr(module, name, torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                         requires_grad=p.requires_grad))
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                     requires_grad=p.requires_grad)
+                setattr(module, name, made[id(p)])
     return model
 
 
