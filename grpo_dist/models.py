@@ -170,6 +170,7 @@ def load_model(cfg: ModelConfig, tokenizer, on_meta: bool = False) -> torch.nn.M
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
         with init_empty_weights():  # include_buffers=False: rotary inv_freq etc. are computed for real
             model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.tie_weights()  # from_config under init_empty_weights leaves lm_head untied; rank 0's model is tied
         try:
             model.generation_config = GenerationConfig.from_pretrained(cfg.name_or_path)
         except OSError:
