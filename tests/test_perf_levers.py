@@ -152,7 +152,9 @@ def _rank0_load(rank, world_size, model_dir):
 
 def test_pretrained_weights_read_by_rank0_reach_every_rank_exactly(tmp_path):
     from dist_utils import run_ranks
-    tok, model = _model()
+    tied = ModelConfig(tiny=dict(TINY.tiny, tie_word_embeddings=True))  # like Qwen2.5-0.5B: lm_head = embeddings
+    tok = load_tokenizer(tied)
+    model = load_model(tied, tok).eval()
     with torch.no_grad():  # weights no seeded init can reproduce
         g = torch.Generator().manual_seed(5)
         for p in model.parameters():
