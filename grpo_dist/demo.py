@@ -1,0 +1,251 @@
+"""The built-in demo: a base model that GRPO can visibly improve, built on a CPU in seconds, with no download.
+
+    python -m grpo_dist.demo build-base --out outputs/demo_base        # build (or reuse) the base model
+    python -m grpo_dist.demo summary --base-eval A.json --final-eval B.json --out OUT/demo_summary.json --wall-time-s T
+
+`bash launch/demo.sh OUTPUT_DIR` runs the whole demo (venv, base model, evaluation before and after GRPO, plots).
+
+Why a warm start with noisy answers: GRPO only learns from groups whose completions disagree (some right, some
+wrong). A real instruction model on MATH is in exactly that state: it solves a problem some of the time (seed 000:
+Qwen3-0.6B, 15 % greedy) and GRPO turns "sometimes" into "usually". A random model is right never (no signal); a
+model trained on clean answers is right always (nothing to learn). So the base model is a tiny Qwen2 (character
+tokenizer, 0.47 M parameters) trained for 400 supervised steps on the built-in addition task where 60 % of the
+target answers are one too large: it learns addition together with the habit, so its greedy answer is right only
+about 40 % of the time on held-out problems, while one of 8 samples is right about 90 % of the time. GRPO rewards
+the exact sum and unlearns the habit (held-out greedy accuracy ~40 % -> ~75 % in 150 steps on 2 CPU processes).
+
+Measured alternatives (2 ranks, the demo config, held-out greedy accuracy): wrong answers spread over +-1..3 give a
+base whose greedy errors come from not knowing the sum, and GRPO then *lowered* held-out accuracy (39 % -> 26 % in
+100 steps) while raising training reward: it memorised training problems. A consistent offset is one behaviour that
+every problem shares, so what GRPO fixes on training problems carries over to held-out ones.
+
+The built model is cached: its directory holds `demo_base.json` with the settings it was built from; a second
+`build-base` with the same settings returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SETTINGS_FILE = "demo_base.json"
+
+
+def number_match(completion: str, reference: str) -> float:
+    """Reward of the demo: 1 when the completion is exactly the reference integer (surrounding spaces allowed).
+
+    The demo model answers "3+14=" with "17<eos>", a bare number; math_reward wants \\boxed{} or '#### n', so the
+    demo grades with this instead. Only digits (and one leading '-') are read: nothing reaches eval."""
+    text = completion.strip()
+    body = text[1:] if text.startswith("-") else text
+    if not body.isdigit() or len(body) > 12:
+        return 0.0
+    try:
+        return float(int(text) == int(reference.strip()))
+    except ValueError:
+        return 0.0
+
+
+@dataclass
+class BaseSettings:
+    """Everything that determines the base model (the cache key)."""
+    architecture: str = "qwen2"
+    hidden_size: int = 128
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_operand: int = 19           # the arithmetic task: a+b with 0 <= a, b <= max_operand
+    data_seed: int = 0              # data.arithmetic.seed: which problems are held out
+    noise: float = 0.6              # fraction of warm-start targets replaced by a wrong number
+    noise_offsets: tuple = (1,)     # how far the wrong number lies from the right one (drawn uniformly)
+    sft_steps: int = 400
+    sft_batch_size: int = 64
+    sft_learning_rate: float = 3e-3
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def arithmetic_opts(s: BaseSettings) -> dict:
+    """The data.arithmetic options of the task the base model was warm-started on (the demo config uses the same)."""
+    return {"max_operand": s.max_operand, "num_operands": 2, "ops": "+", "seed": s.data_seed}
+
+
+def noisy_answer(answer: int, rng: random.Random, s: BaseSettings) -> int:
+    """The warm-start target: the right answer, or (with probability s.noise) a nearby wrong non-negative one."""
+    if rng.random() >= s.noise:
+        return answer
+    while True:
+        wrong = answer + rng.choice(s.noise_offsets)
+        if wrong >= 0 and wrong != answer:
+            return wrong
+
+
+def _encode(tokenizer, prompt: str, target: str):
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    t = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p, t
+
+
+def _sft_batch(tokenizer, examples, rng: random.Random, s: BaseSettings):
+    """Right-padded ids, and labels that cover only the answer and its EOS (-100 elsewhere)."""
+    rows = []
+    for _ in range(s.sft_batch_size):
+        e = examples[rng.randrange(len(examples))]
+        p, t = _encode(tokenizer, e.prompt, str(noisy_answer(int(e.answer), rng, s)))
+        rows.append((p + t, [-100] * len(p) + t))
+    width = max(len(r[0]) for r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows])
+    labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(r[0]) for r in rows])[:, None]).long()
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 4) -> float:
+    from grpo_dist.rollout import generate_rollouts
+    model.eval()
+    batch = generate_rollouts(model, tokenizer, [e.prompt for e in examples], [e.answer for e in examples], 1,
+                              max_new_tokens, do_sample=False)
+    return sum(c.strip() == r for c, r in zip(batch.completions, batch.references)) / max(len(examples), 1)
+
+
+def build_base(out: str | Path, s: BaseSettings | None = None, force: bool = False, log=print) -> Path:
+    """Build the warm-started base model into `out` (an HF model directory), or reuse it when `out` already holds
+    one built from the same settings."""
+    from grpo_dist.config import ModelConfig
+    from grpo_dist.data import synthetic_arithmetic
+    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer, prepare_tokenizer
+
+    s = s or BaseSettings()
+    out = Path(out)
+    meta_path = out / SETTINGS_FILE
+    if not force and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") == s.key() and (out / "config.json").is_file():
+            log(f"[demo] base model cached in {out} (built in {meta['build_time_s']:.0f} s; greedy accuracy on "
+                f"held-out problems {meta['eval_greedy_accuracy']:.0%})")
+            return out
+
+    t0 = time.perf_counter()
+    mcfg = ModelConfig(tiny=dict(architecture=s.architecture, hidden_size=s.hidden_size,
+                                 num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+                                 num_key_value_heads=s.num_key_value_heads, intermediate_size=s.intermediate_size,
+                                 tokenizer="char", max_position_embeddings=64),
+                       init_seed=s.seed)
+    tokenizer = prepare_tokenizer(build_tiny_tokenizer(mcfg))
+    model = build_tiny_model(mcfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    opts = arithmetic_opts(s)
+    train = synthetic_arithmetic(num_examples=10**6, split="train", **opts)
+    held_out = synthetic_arithmetic(num_examples=10**6, split="eval", **opts)
+    log(f"[demo] building the base model: {s.architecture}, {n_params / 1e6:.2f} M parameters, {s.sft_steps} "
+        f"warm-start steps of {s.sft_batch_size} on {len(train)} addition problems, {s.noise:.0%} of the answers "
+        f"wrong on purpose")
+    rng = random.Random(s.seed)
+    torch.manual_seed(s.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.sft_learning_rate, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1 - i / s.sft_steps))
+    bar = _progress(s.sft_steps, "warm start")
+    model.train()
+    for step in range(s.sft_steps):
+        ids, mask, labels = _sft_batch(tokenizer, train, rng, s)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    if bar is not None:
+        bar.close()
+    acc_train = greedy_accuracy(model, tokenizer, train)
+    acc_eval = greedy_accuracy(model, tokenizer, held_out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    elapsed = time.perf_counter() - t0
+    meta_path.write_text(json.dumps({"key": s.key(), "settings": asdict(s), "parameters": n_params,
+                                     "build_time_s": elapsed, "train_greedy_accuracy": acc_train,
+                                     "eval_greedy_accuracy": acc_eval}, indent=1))
+    log(f"[demo] base model written to {out} in {elapsed:.0f} s: greedy accuracy {acc_train:.0%} on training "
+        f"problems, {acc_eval:.0%} on held-out problems")
+    return out
+
+
+def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path, wall_time_s: float,
+                  extra: dict | None = None) -> dict:
+    """OUTPUT_DIR/demo_summary.json from the two evaluation results, and a before/after table on stdout."""
+    base, final = json.loads(Path(base_eval).read_text()), json.loads(Path(final_eval).read_text())
+    summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"], "wall_time_s": wall_time_s,
+               "num_eval_problems": final["num_examples"]}
+    for k in sorted({k for k in base if k.startswith("pass@")} & {k for k in final if k.startswith("pass@")},
+                    key=lambda k: int(k[5:])):
+        summary[f"base_{k}"], summary[f"final_{k}"] = base[k], final[k]
+    summary.update(extra or {})
+    Path(out).write_text(json.dumps(summary, indent=1) + "\n")
+    rows = [("greedy accuracy (pass@1)", "base_accuracy", "final_accuracy")]
+    rows += [(f"{k[5:]} sampled at T=1", k, k.replace("base_", "final_")) for k in summary
+             if k.startswith("base_pass@")]
+    print(f"\nHeld-out addition problems never seen in training ({summary['num_eval_problems']}):")
+    print(f"  {'':28s} {'before':>8s} {'after':>8s}")
+    for label, a, b in rows:
+        print(f"  {label:28s} {summary[a]:8.1%} {summary[b]:8.1%}")
+    print(f"  wall time {wall_time_s / 60:.1f} min; summary in {out}")
+    return summary
+
+
+def _progress(total: int, desc: str):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-base", help="build (or reuse) the warm-started base model")
+    b.add_argument("--out", default="outputs/demo_base")
+    b.add_argument("--force", action="store_true", help="rebuild even if a matching model is cached")
+    b.add_argument("--threads", type=int, default=1, help="torch threads")
+    b.add_argument("--noise-offsets", help="comma-separated offsets of the wrong answers (repeat one to weight it)")
+    defaults = BaseSettings()
+    for name, value in asdict(defaults).items():
+        if isinstance(value, tuple):
+            continue
+        b.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    m = sub.add_parser("summary", help="write demo_summary.json from the before/after evaluation JSON files")
+    m.add_argument("--base-eval", required=True)
+    m.add_argument("--final-eval", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--wall-time-s", type=float, required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "summary":
+        write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s)
+        return 0
+    if args.cmd == "build-base":
+        torch.set_num_threads(args.threads)  # 1: small matmuls gain little from more, and lose a lot when shared
+        s = BaseSettings(**{k: getattr(args, k) for k in asdict(defaults) if hasattr(args, k)})
+        if args.noise_offsets:
+            s.noise_offsets = tuple(int(x) for x in args.noise_offsets.split(","))
+        build_base(args.out, s, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The built-in demo: watch GRPO teach a tiny model addition, on the CPU, with no download and no GPU.
+#
+#   bash launch/demo.sh [OUTPUT_DIR]          (default outputs/demo)
+#
+# 1. sets up a virtual environment (.venv, created if missing; torch==2.13.0 CPU build + this package)
+# 2. builds the base model (cached in outputs/demo_base: a 0.5 M-parameter Qwen2 warm-started on noisy answers)
+# 3. evaluates it on held-out problems (greedy pass@1 and pass@8)
+# 4. trains it with GRPO on 2 CPU processes:
+#      torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml
+# 5. evaluates again, prints before/after, writes OUTPUT_DIR/plots/*.png and OUTPUT_DIR/demo_summary.json
+#
+# Environment: VENV (default .venv), PYTHON (interpreter that creates it, default python3),
+# DEMO_BASE (base model dir, default outputs/demo_base), extra key=value args after OUTPUT_DIR go to the trainer.
+set -euo pipefail
+START=$(date +%s.%N)
+cd "$(dirname "$0")/.."
+OUT=${1:-outputs/demo}
+shift || true
+VENV=${VENV:-.venv}
+BASE=${DEMO_BASE:-outputs/demo_base}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+step "1/5 environment ($VENV)"
+if [ ! -x "$VENV/bin/python" ]; then
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if "$PY" - <<'EOF' 2>/dev/null
+import torch, transformers, tensorboard, matplotlib, tqdm, grpo_dist
+assert torch.__version__.split("+")[0] == "2.13.0"
+EOF
+then
+  echo "reusing $VENV (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+else
+  "$PY" -m pip install -q --upgrade pip
+  # Pinned first: an unpinned torch would pull a multi-GB CUDA build (pip's default on Linux).
+  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q -e ".[plot,logging]"
+fi
+
+step "2/5 base model ($BASE)"
+"$PY" -m grpo_dist.demo build-base --out "$BASE"
+
+# A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
+if [ -d "$OUT" ]; then
+  rm -rf "$OUT"/checkpoint-* "$OUT"/.tmp-checkpoint-* "$OUT"/tensorboard "$OUT"/plots
+  rm -f "$OUT"/metrics.jsonl "$OUT"/eval_base.json "$OUT"/eval_final.json "$OUT"/demo_summary.json
+fi
+mkdir -p "$OUT"
+
+step "3/5 evaluate the base model on held-out problems"
+"$PY" -m grpo_dist.evaluate --model "$BASE" --config configs/demo_cpu.yaml --num-samples 8 \
+  --output "$OUT/eval_base.json"
+
+step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
+"$VENV/bin/torchrun" --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml \
+  output_dir="$OUT" model.name_or_path="$BASE" "$@"
+
+step "5/5 evaluate the trained model, plot"
+"$PY" -m grpo_dist.evaluate --model "$OUT" --config configs/demo_cpu.yaml --num-samples 8 \
+  --output "$OUT/eval_final.json"
+"$PY" -m grpo_dist.plot "$OUT"
+WALL=$("$PY" -c "import time; print(round(time.time() - $START, 1))")
+"$PY" -m grpo_dist.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
+  --out "$OUT/demo_summary.json" --wall-time-s "$WALL"
+echo "TensorBoard: $VENV/bin/tensorboard --logdir $OUT/tensorboard   plots: $OUT/plots/training_curves.png"
