@@ -52,9 +52,32 @@ def init_distributed(timeout_s: int = 600, num_threads: int | None = None) -> Di
         if threads:
             torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=_elastic_attempt_store(world, timeout))
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def _elastic_attempt_store(world: int, timeout: datetime.timedelta):
+    """A store private to this attempt of a `torchrun --max-restarts` job, or None (the default env:// store).
+
+    torchrun's c10d rendezvous shares one TCP store across all attempts, and process groups write their addresses
+    under the same keys every time; a restarted worker can then read a dead worker's address from the previous
+    attempt and fail with "connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712, #167288).
+    On one node every worker gets the same TORCHELASTIC_RESTART_COUNT, so it names the attempt. Across nodes the
+    agents' counts can differ: there, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
+    per attempt) instead."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        if attempt != "0" and int(os.environ["RANK"]) == 0:
+            print("[grpo_dist] warning: restarted multi-node torchrun job on a shared rendezvous store; if process "
+                  "group setup fails, launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"grpo_dist/attempt_{attempt}", store)
 
 
 def cleanup() -> None:
