@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Start grpo_dist with torchrun on this machine.
+#
+#   launch/torchrun.sh CONFIG [key=value ...]
+#   launch/torchrun.sh configs/smoke_cpu.yaml output_dir=outputs/smoke max_steps=2
+#
+# One process per visible CUDA GPU; with no GPU visible it runs on the CPU with
+# gloo (1 process unless NPROC_PER_NODE says otherwise). The trainer itself picks
+# nccl or gloo. Run it from the repository root, or anywhere once grpo_dist is
+# pip-installed (CONFIG is then any YAML file).
+#
+# Environment (all optional):
+#   PYTHON          interpreter to use (default: `python` on PATH, else `python3`);
+#                   torchrun is run as "$PYTHON -m torch.distributed.run"
+#   NPROC_PER_NODE  processes on this node (default: number of visible GPUs, 1 on CPU)
+#   NNODES          >1 for a multi-node run without SLURM: start this script on every
+#   MASTER_ADDR       node with the same NNODES, MASTER_ADDR (a host every node can
+#   MASTER_PORT       reach; default port 29500) and RDZV_ID (default grpo_dist)
+#   RDZV_ID
+#   TORCHRUN_ARGS   extra torchrun options, split on spaces
+#   DRY_RUN=1       print the command instead of running it
+set -euo pipefail
+
+PROG=torchrun.sh
+usage() {
+  sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+die() {
+  echo "$PROG: error: $*" >&2
+  echo "usage: $PROG CONFIG [key=value ...]   ($PROG --help for more)" >&2
+  exit 2
+}
+
+# --- arguments: CONFIG first, then key=value overrides (the trainer checks the keys)
+[ $# -ge 1 ] || die "missing CONFIG (a YAML file, e.g. configs/smoke_cpu.yaml)"
+case $1 in -h | --help) usage; exit 0 ;; esac
+CONFIG=$1
+shift
+case $CONFIG in
+  *=*) die "the first argument must be the CONFIG file, got the override '$CONFIG'" ;;
+  -*) die "unknown option '$CONFIG' (options go in environment variables; see --help)" ;;
+esac
+[ -f "$CONFIG" ] || die "config file not found: $CONFIG (relative paths are taken from $PWD)"
+for kv in "$@"; do
+  [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*= ]] ||
+    die "bad override '$kv': expected key=value, e.g. max_steps=10 or model.dtype=bfloat16"
+done
+
+# --- python: the one the user activated, or $PYTHON
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=$(command -v python || command -v python3 || true)
+  [ -n "$PYTHON" ] || die "no python on PATH: activate the environment that has grpo_dist, or set PYTHON=/path/to/python"
+fi
+
+# --- processes per node: GPUs if any, else CPU
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)') ||
+    die "$PYTHON could not import torch: activate the environment that has grpo_dist, or set PYTHON"
+  NPROC_PER_NODE=1
+  [ "$NGPU" -gt 0 ] && NPROC_PER_NODE=$NGPU
+fi
+[[ $NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer, got '$NPROC_PER_NODE'"
+
+# --- environment for the workers (only where the user has not set it)
+export PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  OMP_NUM_THREADS=$(($(nproc) / NPROC_PER_NODE))
+  [ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1
+  export OMP_NUM_THREADS
+fi
+# torchrun passes these signals on to the workers (SIGUSR1 is not in its default list);
+# the trainer answers SIGTERM/SIGUSR1 with a checkpoint and exit code 75.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCHELASTIC_SIGNALS_TO_HANDLE=$PET_SIGNALS_TO_HANDLE
+
+NNODES=${NNODES:-1}
+if [ "$NNODES" = 1 ]; then
+  RDZV=(--standalone --nnodes=1)
+else
+  [[ $NNODES =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"
+  [ -n "${MASTER_ADDR:-}" ] || die "NNODES=$NNODES needs MASTER_ADDR (the host of the rendezvous, reachable from every node)"
+  RDZV=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv_id="${RDZV_ID:-grpo_dist}")
+fi
+read -r -a EXTRA <<<"${TORCHRUN_ARGS:-}"
+
+CMD=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node="$NPROC_PER_NODE" --max_restarts=0
+  ${EXTRA[@]+"${EXTRA[@]}"} -m grpo_dist.train --config "$CONFIG" "$@")
+if [ -n "${DRY_RUN:-}" ]; then
+  printf '%q ' "${CMD[@]}"
+  echo
+  exit 0
+fi
+echo "$PROG: $NNODES node(s) x $NPROC_PER_NODE process(es): ${CMD[*]}" >&2
+exec "${CMD[@]}"
