@@ -58,6 +58,10 @@ class Engine:
         """Inverse of save_sharded, also at another world size (DCP reshards). Collective."""
         raise NotImplementedError
 
+    # Optional, called by checkpoint.py when an engine defines them (DeepSpeed does): save_engine_state(ckpt_dir)
+    # adds backend-specific state for an exact resume next to the HF files; load_engine_state(ckpt_dir) restores it
+    # after load_full_state. Both collective.
+
     def supports_sharded(self) -> bool:
         return type(self).save_sharded is not Engine.save_sharded
 

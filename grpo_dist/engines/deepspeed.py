@@ -47,13 +47,13 @@ _GATHER_NUMEL = 50_000_000  # ZeRO-3: gather at most this many elements at once 
 def import_deepspeed():
     try:
         import deepspeed
-    except ImportError as e:
-        raise ImportError(
+    except ImportError as e:  # a ConfigError: train.py reports it in one line and exits with 2
+        raise ConfigError(
             "distributed.backend=deepspeed needs the deepspeed package, which is not installed "
             f"({e}). Install the extra: pip install -e .[deepspeed]  (on a machine without CUDA: "
             "DS_BUILD_OPS=0 pip install -e .[deepspeed])") from e
     if not hasattr(deepspeed.DeepSpeedEngine, "managed_gradient_accumulation"):
-        raise ImportError(f"distributed.backend=deepspeed needs deepspeed>=0.19.8 (managed_gradient_accumulation), "
+        raise ConfigError(f"distributed.backend=deepspeed needs deepspeed>=0.19.8 (managed_gradient_accumulation), "
                           f"found {deepspeed.__version__}: pip install -e .[deepspeed]")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # no per-rank config dumps in the training log
     return deepspeed
