@@ -36,9 +36,18 @@ case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYT
 CONFIG=${CONFIG:-configs/smoke_cpu.yaml}
 PREEMPT_STEPS=${PREEMPT_STEPS:-10}
 
+# clusters left by earlier runs that died without cleaning up (their owner PID is gone)
+for old in /tmp/grpo-slurm-ci.*; do
+  [ -f "$old/owner.pid" ] || continue
+  kill -0 "$(cat "$old/owner.pid")" 2>/dev/null && continue
+  echo "slurm_test: cleaning up after an earlier run in $old"
+  "$REPO/.ci/slurm_down.sh" "$old/cluster"
+  rm -rf "$old"
+done
 W=${SLURM_CI_DIR:-$(mktemp -d /tmp/grpo-slurm-ci.XXXXXX)}
 mkdir -p "$W"
 W=$(cd "$W" && pwd)
+echo $$ >"$W/owner.pid"
 CL=$W/cluster JOBS=$W/jobs OUT=$W/out
 rm -rf "$JOBS" "$OUT"
 mkdir -p "$JOBS" "$OUT"
