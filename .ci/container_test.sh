@@ -29,7 +29,10 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 T0=$EPOCHREALTIME
-since() { printf '%.1f' "$(echo "$EPOCHREALTIME - $1" | bc)"; }
+since() { # seconds since an $EPOCHREALTIME value, to 0.1 s
+  local us=$((${EPOCHREALTIME/./} - ${1/./}))
+  printf '%d.%d' $((us / 1000000)) $((us / 100000 % 10))
+}
 say() { echo "[container_test $(since "$T0")s] $*"; }
 fail() { echo "container_test: FAIL: $*" >&2; exit 1; }
 
@@ -146,7 +149,7 @@ t=$EPOCHREALTIME
 # commits once at the end instead of copying the file system at every step)
 LAYERS=true
 [ "$DRIVER" = overlay ] || LAYERS=false
-stamp() { while IFS= read -r line; do printf '%6.1f %s\n' "$(echo "$EPOCHREALTIME - $t" | bc)" "$line"; done; }
+stamp() { while IFS= read -r line; do printf '%6s %s\n' "$(since "$t")" "$line"; done; }
 podman build --format docker --layers="$LAYERS" -f docker/Dockerfile -t "$IMAGE" \
   --build-arg BASE_IMAGE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" \
   -v "$WHEELS:/opt/wheels:ro" -v "$CA:/etc/pip-ci/ca.crt:ro" -v "$W/pip.conf:/etc/pip.conf:ro" \

@@ -26,7 +26,10 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 T0=$EPOCHREALTIME
-since() { printf '%.1f' "$(echo "$EPOCHREALTIME - $1" | bc)"; }
+since() { # seconds since an $EPOCHREALTIME value, to 0.1 s
+  local us=$((${EPOCHREALTIME/./} - ${1/./}))
+  printf '%d.%d' $((us / 1000000)) $((us / 100000 % 10))
+}
 say() { echo "[slurm_test $(since "$T0")s] $*"; }
 
 PYTHON=${PYTHON:-${VENV:+$VENV/bin/python}}
