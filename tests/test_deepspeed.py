@@ -24,6 +24,7 @@ VARIANTS = {  # beta > 0 in BASE: the reference model runs too (ZeRO-3: partitio
     "token_mean": ["loss_type=token_mean"],
     "two_iterations": ["scale_rewards=batch", "num_iterations=2", "epsilon=0.1"],  # old log-probs + 2 steps
     "bf16": ["loss_type=token_mean", "distributed.mixed_precision=bf16"],  # compared within bf16 noise
+    "activation_checkpointing": ["loss_type=token_mean", "distributed.activation_checkpointing=true"],
 }
 
 

@@ -25,6 +25,7 @@ engine is built, so the config helpers below work without it.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -37,6 +38,8 @@ import torch.distributed as dist
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
 from grpo_dist.engines import Engine, StepResult, lr_lambda
+from grpo_dist.engines.fsdp import clean_name
+from grpo_dist.models import decoder_layer_classes
 
 ENGINE_STATE_DIR = "deepspeed"  # inside checkpoint-<step>/
 _TAG = "state"
@@ -191,7 +194,14 @@ class DeepSpeedEngine(Engine):
             self.ds_lib.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         if cfg.distributed.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # torch's wrapper, as the FSDP engine does (HF's gradient_checkpointing_enable is off in eval mode)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+            layers = tuple(decoder_layer_classes(model))
+            apply_activation_checkpointing(
+                model, check_fn=lambda m: isinstance(m, layers),
+                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT))
         self.base_optimizer = _HoldableAdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
@@ -249,7 +259,7 @@ class DeepSpeedEngine(Engine):
         """Lists of (name, param) in a fixed order (the same on every rank), each small enough to gather."""
         chunk, numel = [], 0
         for name, p in self.module.module.named_parameters(remove_duplicate=remove_duplicate):
-            chunk.append((name, p))
+            chunk.append((clean_name(name), p))
             numel += getattr(p, "ds_numel", p.numel())
             if numel >= _GATHER_NUMEL:
                 yield chunk
@@ -288,9 +298,9 @@ class DeepSpeedEngine(Engine):
                     if out is not None:
                         out[name] = full.detach().to("cpu", copy=True)
         if out is not None:
-            params = {n for n, _ in self.module.module.named_parameters(remove_duplicate=False)}
             for name, b in self.module.module.state_dict().items():
-                if name not in params:  # persistent buffers (never partitioned)
+                name = clean_name(name)  # (the checkpoint wrapper strips its prefix from state_dict keys itself)
+                if name not in out:  # persistent buffers (never partitioned)
                     out[name] = b.detach().to("cpu", copy=True)
         return (out, dict(_OPTIM_MARKER)) if self.ctx.is_main else (None, None)
 
