@@ -173,6 +173,44 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ----------------------------------------------------------------------------------------------- HF weights
+def write_hf_weights(out: Path, specs: dict, read, tie_word_embeddings: bool = False,
+                     max_shard_size: int = 5 * 10**9) -> None:
+    """model.safetensors, or model-0000k-of-0000n.safetensors + index, as from_pretrained expects them.
+    specs: name -> (shape, dtype) in file order; read(names) -> {name: tensor} (called once per file, so at most
+    one file's tensors need to be in memory). Written directly rather than through save_pretrained, whose
+    unwrap_model imports deepspeed (seconds) when it is installed, on the first save of every run."""
+    from safetensors.torch import save_file
+    if tie_word_embeddings:
+        specs = {k: v for k, v in specs.items() if k != "lm_head.weight"}  # from_pretrained re-ties it
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if groups[-1] and size + nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    n, weight_map, total = len(groups), {}, 0
+    for i, names in enumerate(groups, 1):
+        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {k: v.contiguous() for k, v in read(names).items()}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        weight_map.update({k: fname for k in names})
+        del tensors
+    if n > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _save_hf_config(hf_model, out: Path) -> None:
+    hf_model.config.save_pretrained(out)
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(out)
+
+
 # --------------------------------------------------------------------------------------------------- save, load
 def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
@@ -191,13 +229,14 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
     if save_format == "sharded":
         engine.save_sharded(tmp / SHARDED_DIR)
         if ctx.is_main:  # what an export needs besides the weights
-            hf_model.config.save_pretrained(tmp)
-            if getattr(hf_model, "generation_config", None) is not None:
-                hf_model.generation_config.save_pretrained(tmp)
+            _save_hf_config(hf_model, tmp)
     else:
         model_sd, optim_sd = engine.gather_full_state()
         if ctx.is_main:
-            hf_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
+            _save_hf_config(hf_model, tmp)
+            write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
+                             lambda names: {k: model_sd[k] for k in names},
+                             getattr(hf_model.config, "tie_word_embeddings", False))
             torch.save(optim_sd, tmp / "optimizer.pt")
         del model_sd, optim_sd
     if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)

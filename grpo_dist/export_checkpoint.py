@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_dist.checkpoint import MANIFEST, SHARDED_DIR, verify_checkpoint
+from grpo_dist.checkpoint import MANIFEST, SHARDED_DIR, verify_checkpoint, write_hf_weights
 
 MODEL_PREFIX = "model."  # DCP keys are flattened: {"model": {name: tensor}} is stored as "model.<name>"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +56,6 @@ def _read(sharded: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> di
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
            max_shard_size: str | int = "5GB") -> Path:
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     ckpt, out = Path(checkpoint), Path(out_dir)
@@ -81,33 +80,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
     if target is not None:
         config.dtype = target  # recorded in config.json, as save_pretrained would
 
-    # Group tensors into shards of at most max_shard_size bytes (in the output dtype).
-    limit = _parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, (shape, dt) in specs.items():
-        nbytes = shape.numel() * (target or dt).itemsize
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-
     out.mkdir(parents=True, exist_ok=True)
-    n = len(groups)
-    weight_map, total = {}, 0
-    for i, names in enumerate(groups, 1):
-        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+    limit = _parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    out_specs = {k: (shape, target or dt) for k, (shape, dt) in specs.items()}
+
+    def read(names):
         tensors = _read(sharded, {k: specs[k] for k in names})
-        if target is not None:
-            tensors = {k: v.to(target) for k, v in tensors.items()}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / fname), metadata={"format": "pt"})
-        total += sum(v.numel() * v.element_size() for v in tensors.values())
-        weight_map.update({k: fname for k in names})
-        del tensors
-    if n > 1:
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        return {k: v.to(target) for k, v in tensors.items()} if target is not None else tensors
+    write_hf_weights(out, out_specs, read, max_shard_size=limit)
     config.save_pretrained(out)
     for p in ckpt.iterdir():  # generation config and tokenizer files
         if p.is_file() and p.name not in _SKIP and p.name != "config.json" and not p.name.startswith("rng_state_"):

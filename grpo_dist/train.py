@@ -9,6 +9,7 @@ resume_from_checkpoint=auto).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def main(argv=None) -> int:
         code = NONFINITE_EXIT_CODE
     finally:
         gdist.cleanup()
+    # Skip the interpreter's final garbage collection over every torch/transformers object (seconds on a busy
+    # host), which would eat into a preemption's grace period; everything is written and closed by now.
+    gc.freeze()
     return code
 
 
