@@ -20,6 +20,23 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _drop_steps_after(path: Path, step: int) -> None:
+    """Remove the lines of steps > `step` (logged by a run that crashed after its last checkpoint)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except ValueError:
+            continue  # a line cut short by the crash
+        kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    tmp.replace(path)
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, enabled: bool, report_to: list[str], config: dict | None = None,
                  max_steps: int = 0, progress_bar: bool = True, logging_steps: int = 1, start_step: int = 0):
@@ -32,7 +49,10 @@ class MetricsLogger:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to:
-            self._jsonl = open(out / "metrics.jsonl", "a", buffering=1)
+            path = out / "metrics.jsonl"
+            if start_step > 0:  # a resumed run redoes the steps after its checkpoint: log them once
+                _drop_steps_after(path, start_step)
+            self._jsonl = open(path, "a", buffering=1)
         if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
