@@ -55,7 +55,10 @@ if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -
 fi
 
 # remove podman state that an earlier run left behind when it died (its owner PID is gone)
-unmount_under() { findmnt -rn -o TARGET | grep -F "$1/" | sort -r | while read -r m; do umount "$m" || umount -l "$m"; done; }
+unmount_under() {
+  local m
+  for m in $(findmnt -rn -o TARGET | grep -F "$1/" | sort -r || true); do umount "$m" || umount -l "$m" || true; done
+}
 for old in /var/tmp/grpo-ctr-ci.*; do
   [ -f "$old/owner.pid" ] || continue
   kill -0 "$(cat "$old/owner.pid")" 2>/dev/null && continue
@@ -102,6 +105,7 @@ export CONTAINERS_CONF=$W/containers.conf CONTAINERS_STORAGE_CONF=$W/storage.con
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  set +e
   podman rm -a -f -t 0 >/dev/null 2>&1
   podman system reset -f >/dev/null 2>&1
   unmount_under "$W"

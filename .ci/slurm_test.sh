@@ -58,6 +58,7 @@ mkdir -p "$JOBS" "$OUT"
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  set +e
   if [ "$rc" != 0 ] && [ -d "$JOBS" ]; then
     for f in "$JOBS"/*.out; do [ -f "$f" ] && { echo "----- $f (last 40 lines)"; tail -n 40 "$f"; }; done
     [ -f "$CL/log/slurmctld.log" ] && { echo "----- slurmctld.log (last 20 lines)"; tail -n 20 "$CL/log/slurmctld.log"; }
