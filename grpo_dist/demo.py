@@ -124,10 +124,6 @@ def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 4) -> floa
 def build_base(out: str | Path, s: BaseSettings | None = None, force: bool = False, log=print) -> Path:
     """Build the warm-started base model into `out` (an HF model directory), or reuse it when `out` already holds
     one built from the same settings."""
-    from grpo_dist.config import ModelConfig
-    from grpo_dist.data import synthetic_arithmetic
-    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer, prepare_tokenizer
-
     s = s or BaseSettings()
     out = Path(out)
     meta_path = out / SETTINGS_FILE
@@ -137,6 +133,19 @@ def build_base(out: str | Path, s: BaseSettings | None = None, force: bool = Fal
             log(f"[demo] base model cached in {out} (built in {meta['build_time_s']:.0f} s; greedy accuracy on "
                 f"held-out problems {meta['eval_greedy_accuracy']:.0%})")
             return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: more threads gain little and, on a shared CPU, cost 5-10x
+    try:
+        return _build(out, s, meta_path, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
+    from grpo_dist.config import ModelConfig
+    from grpo_dist.data import synthetic_arithmetic
+    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer, prepare_tokenizer
 
     t0 = time.perf_counter()
     mcfg = ModelConfig(tiny=dict(architecture=s.architecture, hidden_size=s.hidden_size,
@@ -222,7 +231,6 @@ def main(argv=None) -> int:
     b = sub.add_parser("build-base", help="build (or reuse) the warm-started base model")
     b.add_argument("--out", default="outputs/demo_base")
     b.add_argument("--force", action="store_true", help="rebuild even if a matching model is cached")
-    b.add_argument("--threads", type=int, default=1, help="torch threads")
     b.add_argument("--noise-offsets", help="comma-separated offsets of the wrong answers (repeat one to weight it)")
     defaults = BaseSettings()
     for name, value in asdict(defaults).items():
@@ -239,8 +247,7 @@ def main(argv=None) -> int:
         write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s)
         return 0
     if args.cmd == "build-base":
-        torch.set_num_threads(args.threads)  # 1: small matmuls gain little from more, and lose a lot when shared
-        s = BaseSettings(**{k: getattr(args, k) for k in asdict(defaults) if hasattr(args, k)})
+        s = BaseSettings(**{k: getattr(args, k) for k in asdict(defaults) if k != "noise_offsets"})
         if args.noise_offsets:
             s.noise_offsets = tuple(int(x) for x in args.noise_offsets.split(","))
         build_base(args.out, s, force=args.force)

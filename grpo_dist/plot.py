@@ -6,7 +6,8 @@ Writes OUTPUT_DIR/plots/training_curves.png (all panels on one page) and one PNG
 eval_accuracy.png, completion_length.png, kl.png, entropy.png, clip_fraction.png, grad_norm.png, tokens_per_s.png).
 Each panel shows the raw per-step values faintly and an exponential moving average (the --smoothing weight, as in
 TensorBoard) on top; the x axis is the optimizer step. A panel whose metric was never logged says so instead of
-drawing an empty frame. Needs matplotlib (`pip install matplotlib`, or `pip install -e .[plot]`).
+drawing an empty frame. When OUTPUT_DIR/eval_base.json exists (written by launch/demo.sh), its accuracy is drawn
+as step 0 of the held-out accuracy panel. Needs matplotlib (`pip install matplotlib`, or `pip install -e .[plot]`).
 """
 
 from __future__ import annotations
@@ -99,14 +100,15 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def _draw(ax, panel: Panel, rows: list[dict], smoothing: float) -> None:
     colors = ("tab:blue", "tab:orange", "tab:green")
     drawn = False
-    for (key, label), color in zip(panel.series, colors):
+    for i, ((key, label), color) in enumerate(zip(panel.series, colors)):
         xs, ys = _series(rows, key)
         if not xs:
             continue
         drawn = True
         if panel.smooth and len(xs) > 2:
             ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1)
-            ax.plot(xs, ema(ys, smoothing), color=color, linewidth=2, label=f"{label} (smoothed)")
+            ax.plot(xs, ema(ys, smoothing), color=color, linewidth=2, linestyle="--" if i else "-",
+                    label=f"{label} (smoothed)")
         else:
             ax.plot(xs, ys, color=color, marker="o", linewidth=2, label=label)
             for x, y in ((xs[0], ys[0]), (xs[-1], ys[-1])):
@@ -136,6 +138,12 @@ def plot(output_dir: str | Path, out_dir: str | Path | None = None, smoothing: f
     rows = read_metrics(output_dir)
     if not rows:
         raise ValueError(f"{output_dir}: metrics.jsonl has no rows with a 'step'")
+    base = Path(output_dir) / "eval_base.json"  # the demo's evaluation of the model before training: step 0
+    if base.is_file():
+        try:
+            rows.insert(0, {"step": 0, "eval_accuracy": float(json.loads(base.read_text())["accuracy"])})
+        except (ValueError, KeyError, TypeError):
+            pass
     out = Path(out_dir) if out_dir else Path(output_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
