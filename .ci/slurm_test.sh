@@ -20,7 +20,7 @@
 #   PYTHON or VENV  python with grpo_dist's dependencies (default: .venv/bin/python)
 #   SLURM_CI_DIR    work dir (default: a new /tmp/grpo-slurm-ci.*; removed on success)
 #   CONFIG          training config (default: configs/smoke_cpu.yaml)
-#   PREEMPT_STEPS   max_steps of the preempted run (default 10)
+#   PREEMPT_STEPS   max_steps of the preempted run (default 20; it must outlast the signal)
 # Every daemon it started is stopped by PID and its /etc/hosts line removed, also on failure.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,7 +37,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; *) PYTHON=$(command -v "$PYTHON") ;; esac
 "$PYTHON" -c 'import torch, transformers' || { echo "slurm_test: $PYTHON lacks torch/transformers; set PYTHON or VENV" >&2; exit 1; }
 CONFIG=${CONFIG:-configs/smoke_cpu.yaml}
-PREEMPT_STEPS=${PREEMPT_STEPS:-10}
+PREEMPT_STEPS=${PREEMPT_STEPS:-20}
 
 # clusters left by earlier runs that died without cleaning up (their owner PID is gone)
 for old in /tmp/grpo-slurm-ci.*; do
@@ -152,17 +152,18 @@ say "train_1node.sbatch: COMPLETED 0:0 ($(since "$t")s for this batch of jobs)"
 # --- 3: multi-node, preempted once, requeued, resumed
 t=$EPOCHREALTIME
 j_multi=$(submit multi-node -N 2 launch/slurm/train_multinode.sbatch "$CONFIG" output_dir="$OUT/multi-node" max_steps="$PREEMPT_STEPS")
-for _ in $(seq 300); do
+for _ in $(seq 600); do
   [ -s "$OUT/multi-node/metrics.jsonl" ] && break
   [ "$(field "$j_multi" JobState)" = RUNNING ] || [ "$(field "$j_multi" JobState)" = PENDING ] || break
-  sleep 1
+  sleep 0.5
 done
 [ -s "$OUT/multi-node/metrics.jsonl" ] || fail "multi-node job $j_multi logged no step; log: $(log_of "$j_multi")"
 say "multi-node job $j_multi logged step $(tail -n 1 "$OUT/multi-node/metrics.jsonl" | grep -o '"step": *[0-9]*' | grep -o '[0-9]*$'); sending SIGUSR1 to its batch script"
 scancel --signal=USR1 --batch "$j_multi"
 waitjob "$j_multi"
 expect_job "$j_multi" COMPLETED 0:0
-[ "$(field "$j_multi" Restarts)" = 1 ] || fail "job $j_multi restarted $(field "$j_multi" Restarts) times, expected 1"
+[ "$(field "$j_multi" Restarts)" = 1 ] ||
+  fail "job $j_multi restarted $(field "$j_multi" Restarts) times, expected 1 (if it finished before the signal took effect, raise PREEMPT_STEPS)"
 expect_log "$j_multi" "2 node(s) x 1 process(es)"
 expect_log "$j_multi" "requeueing job $j_multi"
 expect_log "$j_multi" "(restart 1)"
