@@ -178,6 +178,7 @@ def main(argv=None) -> int:
             raise DataError("no evaluation problems: pass --data FILE, or use a config whose data preset has a "
                             "held-out split (gsm8k, math, arithmetic) or sets data.eval_path")
         examples = examples[:args.limit] if args.limit else examples
+        torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, tokenizer).to(ctx.device)
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)

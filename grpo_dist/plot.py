@@ -138,6 +138,7 @@ def plot(output_dir: str | Path, out_dir: str | Path | None = None, smoothing: f
     rows = read_metrics(output_dir)
     if not rows:
         raise ValueError(f"{output_dir}: metrics.jsonl has no rows with a 'step'")
+    n_steps = len(rows)
     base = Path(output_dir) / "eval_base.json"  # the demo's evaluation of the model before training: step 0
     if base.is_file():
         try:
@@ -151,7 +152,7 @@ def plot(output_dir: str | Path, out_dir: str | Path | None = None, smoothing: f
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, panel in zip(axes.flat, PANELS):
         _draw(ax, panel, rows, smoothing)
-    fig.suptitle(f"GRPO training: {Path(output_dir).resolve().name} ({len(rows)} steps; faint = raw, bold = "
+    fig.suptitle(f"GRPO training: {Path(output_dir).resolve().name} ({n_steps} steps; faint = raw, bold = "
                  f"EMA smoothing {smoothing})", fontsize=13)
     fig.tight_layout()
     overview = out / "training_curves.png"
