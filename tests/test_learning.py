@@ -10,15 +10,14 @@ with `no_signal_reward` (a fair coin per completion): groups still disagree, ste
 nowhere. Six recorded runs (RUNS below; 2 ranks, STEPS = 40, base greedy accuracy 0.425 = 34/80):
 
     real reward  (seeds 0, 1, 2): 0.425 -> 0.700, 0.650, 0.650   (+0.275, +0.225, +0.225)
-    coin control (seeds 0, 1, 2): 0.425 -> 0.013*, 0.188, 0.113   (falls: aimless updates damage a tiny model)
-    * seed 0's control used a hash bit of the completion text instead of a coin (a consistent pull towards
-      arbitrary strings); it fell the same way.
+    coin control (seeds 0, 1, 2): 0.425 -> 0.050, 0.188, 0.113   (falls: aimless updates damage a tiny model)
+    (a hash bit of the completion text instead of a coin, seed 0: 0.425 -> 0.013)
 
 Without signal the accuracy never rose, so the control bounds upward drift at 0. As a second, model-free bound:
 even if the 80 held-out problems were an independent binomial draw at p = 0.425 after training, the standard
 deviation of the measured accuracy would be sqrt(0.425 * 0.575 / 80) = 0.055. MARGIN = 0.15 is 2.7 such standard
 deviations (p < 0.004 one-sided) and 0.075 below the smallest real gain measured (0.225), so the test fails when
-learning is broken and does not flake when it works. Runtime: 66-200 s per run on the shared 2-core box, plus ~95 s
+learning is broken and does not flake when it works. Runtime: 35-200 s per run on the shared 2-core box (depending on its load), plus ~95 s
 the first time to build the base model (cached in .cache/ after that).
 """
 
@@ -39,7 +38,8 @@ MARGIN = 0.15
 
 # (seed, reward, base accuracy, accuracy after STEPS steps), measured with this file's setup on the 2-core box.
 RUNS = [(0, "number_match", 0.425, 0.700), (1, "number_match", 0.425, 0.650), (2, "number_match", 0.425, 0.650),
-        (0, "hash_bit", 0.425, 0.0125), (1, "coin", 0.425, 0.1875), (2, "coin", 0.425, 0.1125)]
+        (0, "coin", 0.425, 0.050), (1, "coin", 0.425, 0.1875), (2, "coin", 0.425, 0.1125),
+        (0, "hash_bit", 0.425, 0.0125)]
 
 
 def no_signal_reward(completion: str, reference: str) -> float:
