@@ -116,7 +116,6 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
-    stop_strings: list = _f(factory=list, help="extra strings that end a completion (EOS always does)")
     # Rewards and advantages
     rewards: list = _f(factory=lambda: [{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}],
                        help="list of {function: module:function, weight: float}")

@@ -323,7 +323,8 @@ class GRPOTrainer:
         s = gdist.all_reduce_sum([
             float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
-            sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum())], dev)
+            sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
+            float(batch.prompt_mask.sum())], dev)
         mx = gdist.all_reduce_max([float(lengths.max())], dev)
         n, tok = s[2], max(float(s[4]), 1.0)
         mean = float(s[0] / n)
@@ -335,6 +336,7 @@ class GRPOTrainer:
             "completion_length_mean": float(s[4] / n),
             "completion_length_max": float(mx[0]),
             "truncated_fraction": float(s[13] / n),
+            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: seed 001's length ratio
             "zero_advantage_fraction": float(s[5] / s[6]),
             "loss": float(s[7]),
             "policy_loss": float(s[8] / tok),
