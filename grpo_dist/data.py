@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from grpo_dist.config import DataConfig
+from grpo_dist.rewards.math import last_boxed  # one extractor for references and completions
 
 
 class DataError(ValueError):
@@ -48,48 +49,6 @@ class PromptExample:
 
 
 # ------------------------------------------------------------------------------------------------ answer extraction
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...} / \\fbox{...} (nested braces matched), or of `\\boxed 5`; None if absent."""
-    best_pos, best = -1, None
-    for cmd in _BOX_COMMANDS:
-        start = 0
-        while True:
-            pos = text.find(cmd, start)
-            if pos < 0:
-                break
-            start = pos + len(cmd)
-            content = _box_content(text, pos + len(cmd))
-            if content is not None and pos > best_pos:
-                best_pos, best = pos, content
-    return best
-
-
-def _box_content(text: str, i: int) -> Optional[str]:
-    if i < len(text) and text[i] == "{":
-        depth = 0
-        for j in range(i, len(text)):
-            c = text[j]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i + 1:j]
-        return None  # unbalanced
-    if i < len(text) and text[i] == " ":  # "\boxed 5" form: up to the next space or '$'
-        rest = text[i + 1:]
-        end = len(rest)
-        for stop in (" ", "$"):
-            k = rest.find(stop)
-            if 0 <= k < end:
-                end = k
-        return rest[:end] or None
-    return None  # e.g. "\boxedfoo": another command
-
 
 def extract_reference(raw: str, answer_format: str) -> str:
     """The gold answer from a reference field.
@@ -107,7 +66,7 @@ def extract_reference(raw: str, answer_format: str) -> str:
             raise DataError("no '####' marker in the answer (answer_format gsm8k)")
         return raw[k + 4:].strip().replace(",", "")
     if answer_format == "boxed":
-        content = _last_boxed(raw)
+        content = last_boxed(raw)
         if content is None:
             raise DataError("no \\boxed{...} in the answer (answer_format boxed)")
         return content.strip()

@@ -89,7 +89,8 @@ def _brace_content(text: str, start: int):
     return None
 
 
-def _last_boxed(text: str):
+def last_boxed(text: str):
+    """Content of the last \\boxed{...} / \\fbox{...} (nested braces), or of `\\boxed 5`; None if absent."""
     positions = []
     for name in _BOX_NAMES:
         end = len(text)
@@ -123,7 +124,7 @@ def extract_answer(text: str) -> str | None:
     """The final answer of a completion, or None (see module docstring)."""
     if not isinstance(text, str) or not text:
         return None
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     p = text.rfind("####")
@@ -158,7 +159,7 @@ def _phrase_answer(rest: str):
 
 def _reference_answer(reference: str) -> str:
     if "\\boxed" in reference or "\\fbox" in reference:
-        b = _last_boxed(reference)
+        b = last_boxed(reference)
         if b is not None:
             return b.strip()
     p = reference.rfind("####")
