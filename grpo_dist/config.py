@@ -116,6 +116,8 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
+    lean_decoder: bool = _f(True, "decode Llama-family models (Qwen2/Qwen3/Llama/Mistral) with grpo_dist.decoder's "
+                                  "preallocated-cache decoder; false: the model's own transformers forward")
     # Rewards and advantages
     rewards: list = _f(factory=lambda: [{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}],
                        help="list of {function: module:function, weight: float}")

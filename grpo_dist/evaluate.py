@@ -68,7 +68,8 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
         prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
         batch = generate_rollouts(model, tokenizer, prompts, [e.answer for e in chunk], num_samples,
                                   cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
-                                  cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample)
+                                  cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
+                                  lean_decoder=cfg.lean_decoder)
         flags = _correct_flags(rewards, batch.completions, batch.references)
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if bar is not None:

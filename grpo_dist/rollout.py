@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_dist.decoder import LeanDecoder, lean_decoder_unsupported
+
 
 @dataclass
 class RolloutBatch:
@@ -98,25 +100,59 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+class HFDecoder:
+    """The transformers forward with its own cache, behind LeanDecoder's prefill/step interface (the fallback for
+    models the lean decoder does not cover)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache_kw = _cache_kwarg(model)
+
+    def prefill(self, ids, mask, repeats, max_new_tokens):
+        if repeats is not None:  # no shared prefix here: every row is prefilled
+            ids, mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
+        B, P = ids.shape
+        self.full_mask = torch.ones(B, P + max_new_tokens, dtype=mask.dtype, device=ids.device)
+        self.full_mask[:, :P] = mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        self.cache = out["cache"] if "cache" in out else out.past_key_values
+        self.next_pos, self.length = pos[:, -1:] + 1, P
+        return out.logits[:, -1]
+
+    def step(self, tokens):
+        self.length += 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.full_mask[:, :self.length],
+                         position_ids=self.next_pos, use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = out["cache"] if "cache" in out else out.past_key_values
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1]
+
+
+def make_decoder(model, total_length: int, lean: bool = True):
+    """LeanDecoder where it covers the model (bench/generation.py: the transformers forward spends most of a decode
+    step outside the model's arithmetic), else the transformers forward."""
+    if lean and lean_decoder_unsupported(model, total_length) is None:
+        return LeanDecoder(model)
+    return HFDecoder(model)
+
+
 @torch.inference_mode()
-def _sample_loop(model, ids, mask, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
+def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
                  eos_ids: torch.Tensor, pad: int) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
-    afterwards; stops when every row is done. Positions skip the left padding. Returns [B, <= max_new_tokens].
-    Greedy decoding gives generate's tokens exactly; sampling draws from the same distribution with another use
-    of the RNG (sample_from_scores)."""
-    B, P = ids.shape
-    cache_kw = _cache_kwarg(model)
-    full_mask = torch.ones(B, P + max_new_tokens, dtype=mask.dtype, device=ids.device)
-    full_mask[:, :P] = mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    next_pos = pos[:, -1:] + 1
+    afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
+    prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
+    draws from the same distribution with another use of the RNG (sample_from_scores)."""
+    logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
+    B = logits.shape[0]
+    # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
+    check_every = 1 if logits.device.type == "cpu" else 8
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     for t in range(max_new_tokens):
-        scores = out.logits[:, -1].float()
+        scores = logits.float()
         if t < min_new_tokens:
             scores[:, eos_ids] = float("-inf")
         if do_sample:
@@ -129,11 +165,9 @@ def _sample_loop(model, ids, mask, max_new_tokens, temperature, top_p, top_k, mi
         nxt = nxt.masked_fill(done, pad)
         tokens[:, t] = nxt
         done |= torch.isin(nxt, eos_ids)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             return tokens[:, :t + 1]
-        out = model(input_ids=nxt[:, None], attention_mask=full_mask[:, :P + t + 1], position_ids=next_pos,
-                    use_cache=True, **{cache_kw: out["cache"] if "cache" in out else out.past_key_values})
-        next_pos = next_pos + 1
+        logits = decoder.step(nxt)
     return tokens
 
 
@@ -142,23 +176,27 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
                       max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       max_prompt_length: int = 512, generation_batch_size: int | None = None,
                       min_completion_length: int = 0, do_sample: bool = True, use_hf_generate: bool = False,
-                      **generate_kwargs) -> RolloutBatch:
+                      lean_decoder: bool = True, **generate_kwargs) -> RolloutBatch:
     """Sample num_generations completions for each prompt (rows grouped prompt by prompt).
 
     A lean KV-cached loop does the sampling (HF `generate` spends more time in per-token Python than in the model
-    for small models: bench/generation.py). Extra keyword arguments (e.g. logits processors, stop strings) or
-    use_hf_generate=True route through `model.generate` instead. Only temperature / top_k / top_p / min length from
-    here apply in the lean loop; a checkpoint's generation_config.json sampling defaults do not."""
+    for small models: bench/generation.py), on grpo_dist.decoder.LeanDecoder where it covers the model (each prompt
+    prefilled once for its G rows), else on the model's own forward (lean_decoder=False forces that). Extra keyword
+    arguments (e.g. logits processors, stop strings) or use_hf_generate=True route through `model.generate` instead.
+    Only temperature / top_k / top_p / min length from here apply in the lean loop; a checkpoint's
+    generation_config.json sampling defaults do not."""
     device = next(model.parameters()).device
-    ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
-    ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
+    unique_ids, unique_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
+    ids, mask = unique_ids.repeat_interleave(num_generations, 0), unique_mask.repeat_interleave(num_generations, 0)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=device)
     chunk = generation_batch_size or len(ids)
+    use_generate = use_hf_generate or bool(generate_kwargs)
+    decoder = None if use_generate else make_decoder(model, ids.shape[1] + max_completion_length, lean_decoder)
     pieces = []
     for s in range(0, len(ids), chunk):
-        if use_hf_generate or generate_kwargs:
+        if use_generate:
             out = model.generate(
                 input_ids=ids[s:s + chunk], attention_mask=mask[s:s + chunk], do_sample=do_sample,
                 temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
@@ -167,8 +205,11 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
                 synced_gpus=False, use_cache=True, **generate_kwargs)
             pieces.append(out[:, ids.shape[1]:])
         else:
+            # the unique prompts of rows s..s+chunk and how many of those rows continue each of them
+            prompt_of_row = torch.arange(s, min(s + chunk, len(ids)), device=device) // num_generations
+            uniq, repeats = torch.unique_consecutive(prompt_of_row, return_counts=True)
             # .clone() outside inference mode: the ids are later inputs of forward passes that record autograd
-            pieces.append(_sample_loop(model, ids[s:s + chunk], mask[s:s + chunk], max_completion_length,
+            pieces.append(_sample_loop(decoder, unique_ids[uniq], unique_mask[uniq], repeats, max_completion_length,
                                        temperature, top_p, top_k, min_completion_length, do_sample, eos_ids,
                                        pad).clone())
     width = max(p.shape[1] for p in pieces)
@@ -179,6 +220,8 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
         row += len(p)
     completion_mask = completion_mask_from_ids(completion_ids, eos)
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, pad))
+    used = max(1, int(completion_mask.sum(-1).max()))  # columns after every row's EOS (GPU stop checks lag)
+    completion_ids, completion_mask = completion_ids[:, :used], completion_mask[:, :used]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     refs = [r for r in references for _ in range(num_generations)]
     return RolloutBatch(ids, mask, completion_ids, completion_mask, num_generations, texts, refs)

@@ -32,8 +32,9 @@ from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
+from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import grpo_loss, selective_log_probs, token_entropy, uses_sequence_normaliser
+from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import load_model, load_on_rank0_only, load_tokenizer, materialize_meta
 from grpo_dist.rewards import RewardComputer
@@ -74,6 +75,7 @@ class GRPOTrainer:
         if meta:
             materialize_meta(self.gen_model, ctx.device)
         self.gen_model.requires_grad_(False)
+        prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         num_params = sum(p.numel() for p in policy.parameters())
         self.engine = build_engine(cfg, policy, ctx)
         if cfg.save_format == "sharded" and not self.engine.supports_sharded():
@@ -192,7 +194,7 @@ class GRPOTrainer:
         return generate_rollouts(
             self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
             cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
-            cfg.generation_batch_size)
+            cfg.generation_batch_size, lean_decoder=cfg.lean_decoder)
 
     # ---------------------------------------------------------------------------------------------- the update
     def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
@@ -243,11 +245,11 @@ class GRPOTrainer:
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
-                    if it == 0:  # before backward: it overwrites the logits with their gradient (memory)
-                        sums["entropy"] += float((token_entropy(logits.detach(), cfg.logprob_chunk_size)
-                                                  * mb.completion_mask).sum())
+                    entropy = torch.empty(mb.completion_ids.shape, device=dev) if it == 0 else None
                     logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
-                                               overwrite_logits=True)
+                                               overwrite_logits=True, entropy_out=entropy)
+                    if entropy is not None:
+                        sums["entropy"] += float((entropy * mb.completion_mask).sum())
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
