@@ -27,13 +27,16 @@ def _chunk_log_softmax(logits, s, e, temperature):
     return torch.log_softmax(logits[s:e].float() / temperature, dim=-1)
 
 
-def _chunked_log_probs(logits, labels, chunk_size, temperature):
+def _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out=None):
     rows = logits.shape[0]
     chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     for s in range(0, rows, chunk_size):
         e = s + chunk_size
-        out[s:e] = _chunk_log_softmax(logits, s, e, temperature).gather(-1, labels[s:e, None]).squeeze(-1)
+        logp = _chunk_log_softmax(logits, s, e, temperature)
+        out[s:e] = logp.gather(-1, labels[s:e, None]).squeeze(-1)
+        if entropy_out is not None:  # from the same log-softmax: no second pass over the logits
+            entropy_out[s:e] = -(logp.exp() * logp).sum(-1)
     return out
 
 
@@ -48,8 +51,8 @@ class _SelectiveLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits):
-        out = _chunked_log_probs(logits, labels, chunk_size, temperature)
+    def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits, entropy_out):
+        out = _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out)
         ctx.save_for_backward(logits, labels)
         ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
         ctx.temperature, ctx.overwrite = temperature, overwrite_logits
@@ -65,11 +68,12 @@ class _SelectiveLogProb(torch.autograd.Function):
             g = _chunk_log_softmax(logits, s, e, t).exp_().neg_()  # d logp / d (logits/t) = onehot - softmax
             g.scatter_add_(-1, labels[s:e, None], torch.ones_like(g[:, :1]))
             grad[s:e] = (g * (grad_out[s:e, None] / t)).to(grad.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
-                        temperature: float = 1.0, overwrite_logits: bool = False) -> torch.Tensor:
+                        temperature: float = 1.0, overwrite_logits: bool = False,
+                        entropy_out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V], labels [...] -> fp32 log_softmax(logits / temperature)[label] of shape [...], without a full
     fp32 log-softmax. Dividing by the sampling temperature makes these the log-probs the completions were drawn
     with. chunk_size bounds the rows processed at once (further capped at CHUNK_ELEMENTS logits).
@@ -77,14 +81,19 @@ def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: 
     overwrite_logits=True (memory lever for the training pass): the backward stores the gradient in the logits'
     storage, so the logits hold garbage once backward has run; read them (e.g. entropy) before. Autograd still
     raises if another node saved the same logits and needs them after. Use it only on logits that are contiguous
-    (a reshape must not copy) and that nothing else reads after the backward."""
+    (a reshape must not copy) and that nothing else reads after the backward.
+
+    entropy_out (fp32, shape of labels): filled with the entropy of softmax(logits / temperature) per position, a
+    no-grad monitoring signal taken from the same log-softmax (saves a pass over the logits)."""
     shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
+    flat_entropy = entropy_out.view(-1) if entropy_out is not None else None
     if torch.is_grad_enabled() and flat_logits.requires_grad:
-        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size, temperature, overwrite_logits)
+        out = _SelectiveLogProb.apply(flat_logits, flat_labels, chunk_size, temperature, overwrite_logits,
+                                      flat_entropy)
     else:
-        out = _chunked_log_probs(flat_logits, flat_labels, chunk_size, temperature)
+        out = _chunked_log_probs(flat_logits, flat_labels, chunk_size, temperature, flat_entropy)
     return out.view(shape)
 
 

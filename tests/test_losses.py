@@ -38,6 +38,28 @@ def test_entropy():
     assert torch.allclose(token_entropy(logits, chunk_size=2), -(p * p.log()).sum(-1), atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_entropy_from_the_log_prob_pass_equals_the_sampling_distribution_entropy(grad):
+    """entropy_out is the entropy of softmax(logits / temperature), what the completions were drawn from; filling
+    it changes neither the log-probs nor their gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 40, requires_grad=grad)
+    labels = torch.randint(0, 40, (3, 5))
+    for temp in (1.0, 0.6):
+        entropy = torch.full((3, 5), float("nan"))
+        with torch.set_grad_enabled(grad):
+            plain = selective_log_probs(logits, labels, chunk_size=4, temperature=temp)
+            with_entropy = selective_log_probs(logits, labels, chunk_size=4, temperature=temp, entropy_out=entropy)
+        p = torch.softmax(logits.detach() / temp, -1)
+        assert torch.allclose(entropy, -(p * p.log()).sum(-1), atol=1e-5)
+        assert torch.equal(plain, with_entropy)
+        if grad:
+            w = torch.randn(3, 5)
+            g1, = torch.autograd.grad((plain * w).sum(), logits)
+            g2, = torch.autograd.grad((with_entropy * w).sum(), logits)
+            assert torch.equal(g1, g2)
+
+
 def _per_token_reference(logp, old, ref, adv, mask, beta, eps_lo, eps_hi):
     """The loss of seed 002 written out element by element."""
     B, T = logp.shape
