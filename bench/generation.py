@@ -1,15 +1,16 @@
-"""Decode overhead: time per generated token of each sampler vs the model's raw KV-cached forward on the same batch.
+"""Decode overhead: time per generated token of each sampler vs the raw KV-cached forward it runs on.
 
     python bench/generation.py                       # tiny Qwen2 (issue setting): 32 rows, 64 new tokens
-    python bench/generation.py --model /path/to/hf_model --rows 16 --new-tokens 128
+    python bench/generation.py --model /path/to/hf_model --prompts 2 --new-tokens 128
 
 Decode time per token = (T(new_tokens) - T(1)) / (new_tokens - 1), so the prefill (and tokenisation, text
-decoding) cancels out; raw = the model's own forward alone on the same cached batch, fed fixed tokens, per step
-(the floor any sampler pays). Samplers: lean = grpo_dist's loop (what the trainer uses); lean+multinomial = the same
-loop drawing with torch.multinomial instead of the inverse CDF; hf = transformers' generate with the same settings.
-Every sampler is forced to emit exactly new_tokens (min length = max length). Medians over --reps alternating
-runs, in CPU seconds of this process (one thread: close to wall time on an idle machine, less disturbed by other
-jobs) and in wall seconds. Last line: JSON.
+decoding) cancels out. Raw forwards, fed fixed tokens with no sampling (the floor a sampler on them pays):
+grpo_dist.decoder.LeanDecoder's step, and the model's own transformers forward with its cache. Samplers: lean =
+grpo_dist's sampling loop on LeanDecoder (what the trainer uses); lean+multinomial = the same drawing with
+torch.multinomial instead of the inverse CDF; loop on hf forward = the same loop on the transformers forward
+(lean_decoder=false); hf = transformers' generate. Each is reported against the raw forward it runs on. Every
+sampler emits exactly new_tokens (min length = max length). Medians over --reps alternating runs, in CPU seconds of
+this process (one thread: close to wall time on an idle machine) and in wall seconds. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main():
     from bench_common import tiny_override
     from grpo_dist.config import load_config
     from grpo_dist.data import load_examples, render_prompt
+    from grpo_dist.decoder import LeanDecoder, prepare_replica
     from grpo_dist.models import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -60,34 +62,38 @@ def main():
     def sampler(kind, n):
         ro.sample_from_scores = multinomial if kind == "lean+multinomial" else lean_draw
         return ro.generate_rollouts(model, tok, prompts, refs, G, n, min_completion_length=n,
-                                    use_hf_generate=kind == "hf")
+                                    use_hf_generate=kind == "hf", lean_decoder=kind != "loop on hf forward")
 
     ids, mask = ro.tokenize_prompts(tok, prompts, 512, "cpu")
-    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-    cache_kw = ro._cache_kwarg(model)
+    repeats = torch.full((len(ids),), G)
 
     @torch.inference_mode()
-    def raw(n):
-        """Prefill, then n - 1 forwards of the cached batch (fixed next tokens): the model alone."""
-        B, P = ids.shape
-        full = torch.ones(B, P + n, dtype=mask.dtype)
-        full[:, :P] = mask
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        nxt = ids[:, -1:]
-        for t in range(n - 1):
-            out = model(input_ids=nxt, attention_mask=full[:, :P + t + 1], position_ids=pos[:, -1:] + 1 + t,
-                        use_cache=True, **{cache_kw: out["cache"] if "cache" in out else out.past_key_values})
-        return out
+    def raw(decoder, n):
+        """Prefill, then n - 1 steps of the cached batch fed fixed tokens: the forward alone, no sampling."""
+        decoder.prefill(ids, mask, repeats, n)
+        nxt = ids[:, -1].repeat_interleave(G)
+        for _ in range(n - 1):
+            decoder.step(nxt)
 
-    kinds = ["raw", "lean", "lean+multinomial", "hf"]
+    prepare_replica(model)  # as the trainer prepares its generation replica
+    runs = {"raw lean decoder": lambda n: raw(LeanDecoder(model), n),
+            "raw hf forward": lambda n: raw(ro.HFDecoder(model), n),
+            "lean": lambda n: sampler("lean", n),
+            "lean+multinomial": lambda n: sampler("lean+multinomial", n),
+            "loop on hf forward": lambda n: sampler("loop on hf forward", n),
+            "hf": lambda n: sampler("hf", n)}
+    # each sampler against the forward it runs on
+    baseline = {"raw lean decoder": "raw lean decoder", "raw hf forward": "raw hf forward",
+                "lean": "raw lean decoder", "lean+multinomial": "raw lean decoder",
+                "loop on hf forward": "raw hf forward", "hf": "raw hf forward"}
+    kinds = list(runs)
     per_tok = {k: {"cpu": [], "wall": []} for k in kinds}
     for rep in range(args.reps + 1):
         for kind in (kinds if rep % 2 else kinds[::-1]):
             t = {}
             for n in (1, N):
                 w0, c0 = time.perf_counter(), time.process_time()
-                raw(n) if kind == "raw" else sampler(kind, n)
+                runs[kind](n)
                 t[n] = (time.perf_counter() - w0, time.process_time() - c0)
             if rep == 0:
                 continue  # warm-up
@@ -95,17 +101,20 @@ def main():
             per_tok[kind]["cpu"].append((t[N][1] - t[1][1]) / (N - 1))
     ro.sample_from_scores = lean_draw
     med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in per_tok.items()}
-    print(f"{len(ids)} rows x {N} new tokens, prompt width {ids.shape[1]}, {args.threads} thread(s), load average "
-          f"{os.getloadavg()[0]:.2f}")
-    print(f"{'sampler':18} {'cpu ms/token':>13} {'vs raw':>7} {'wall ms/token':>14} {'vs raw':>7}")
+    print(f"{len(ids) * G} rows x {N} new tokens, prompt width {ids.shape[1]}, {args.threads} thread(s), load "
+          f"average {os.getloadavg()[0]:.2f}")
+    print(f"{'sampler':20} {'cpu ms/token':>13} {'vs its raw':>10} {'wall ms/token':>14} {'vs its raw':>10}")
     for k in kinds:
-        print(f"{k:18} {med[k]['cpu'] * 1e3:13.2f} {med[k]['cpu'] / med['raw']['cpu']:7.2f} "
-              f"{med[k]['wall'] * 1e3:14.2f} {med[k]['wall'] / med['raw']['wall']:7.2f}")
-    print(json.dumps(dict(rows=len(ids), new_tokens=N, threads=args.threads, load_average=round(os.getloadavg()[0], 2),
+        b = baseline[k]
+        print(f"{k:20} {med[k]['cpu'] * 1e3:13.2f} {med[k]['cpu'] / med[b]['cpu']:10.2f} "
+              f"{med[k]['wall'] * 1e3:14.2f} {med[k]['wall'] / med[b]['wall']:10.2f}")
+    print(json.dumps(dict(rows=len(ids) * G, new_tokens=N, threads=args.threads,
+                          load_average=round(os.getloadavg()[0], 2),
                           ms_per_token_cpu={k: round(v["cpu"] * 1e3, 3) for k, v in med.items()},
                           ms_per_token_wall={k: round(v["wall"] * 1e3, 3) for k, v in med.items()},
-                          overhead_vs_raw_cpu={k: round(v["cpu"] / med["raw"]["cpu"], 3) for k, v in med.items()},
-                          overhead_vs_raw_wall={k: round(v["wall"] / med["raw"]["wall"], 3)
+                          overhead_vs_raw_cpu={k: round(v["cpu"] / med[baseline[k]]["cpu"], 3)
+                                               for k, v in med.items()},
+                          overhead_vs_raw_wall={k: round(v["wall"] / med[baseline[k]]["wall"], 3)
                                                 for k, v in med.items()})))
 
 

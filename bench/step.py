@@ -14,7 +14,8 @@ rollout = sampling, reward, logprobs = reference (+ old when num_iterations > 1)
 backward + optimizer step. completion_tokens_per_s = completion tokens of all ranks per step / median step time.
 cpu_s = rank 0's process CPU time per step (with one thread, close to wall time on an idle machine; less sensitive
 to other jobs on a shared box). Levers can be switched off to measure what each gives: --hf-generate,
---naive-logprobs, --keep-logits (no in-place gradient), --no-inference-mode.
+--no-lean-decoder, --naive-logprobs, --keep-logits (no in-place gradient). --profile prints torch.profiler's
+top operators of the last step.
 The last output line is one JSON object.
 """
 
@@ -50,9 +51,13 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch-size", type=int, default=0, help="0: all completions of a rank at once")
     ap.add_argument("--reward", default="digits", choices=["digits", "math"])
     ap.add_argument("--hf-generate", action="store_true", help="lever off: sample with HF generate")
+    ap.add_argument("--no-lean-decoder", action="store_true",
+                    help="lever off: the lean sampling loop on the model's own forward instead of grpo_dist.decoder")
     ap.add_argument("--naive-logprobs", action="store_true", help="lever off: full fp32 log_softmax")
     ap.add_argument("--keep-logits", action="store_true", help="lever off: gradient in a new tensor")
     ap.add_argument("--set", nargs="*", default=[], help="extra grpo_dist config overrides key=value")
+    ap.add_argument("--profile", action="store_true",
+                    help="print torch.profiler's top operators (self CPU time) of the last step on rank 0")
     return ap.parse_args(argv)
 
 
@@ -70,8 +75,11 @@ def apply_levers(args):
     if extra:
         tr.generate_rollouts = functools.partial(gen, **extra)
     if args.naive_logprobs:
-        def naive(logits, labels, chunk_size=1024, temperature=1.0, overwrite_logits=False):
-            return torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+        def naive(logits, labels, chunk_size=1024, temperature=1.0, overwrite_logits=False, entropy_out=None):
+            logp = torch.log_softmax(logits.float() / temperature, -1)
+            if entropy_out is not None:
+                entropy_out.copy_(-(logp.exp() * logp).sum(-1).detach())
+            return logp.gather(-1, labels[..., None]).squeeze(-1)
         tr.selective_log_probs = naive
     elif args.keep_logits:
         sel = tr.selective_log_probs
@@ -101,6 +109,8 @@ def main(argv=None):
         "rewards=[{function: 'grpo_dist.rewards:math_reward', weight: 1.0}]"]
     overrides.append(f"model.name_or_path={args.model}" if args.model else
                      tiny_override(args.tiny_hidden, args.tiny_layers, args.tiny_vocab))
+    if args.no_lean_decoder:
+        overrides.append("lean_decoder=false")
     cfg = load_config(None, overrides + list(args.set))
     apply_levers(args)
 
@@ -123,7 +133,13 @@ def main(argv=None):
         c0 = time.process_time()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        m = trainer.train_step()
+        if args.profile and step == args.steps - 1:
+            with torch.profiler.profile() as prof:
+                m = trainer.train_step()
+            if ctx.is_main:
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        else:
+            m = trainer.train_step()
         cpu = time.process_time() - c0
         sync = sync_times[-1]
         tokens = m["completion_length_mean"] * completions * world
@@ -163,7 +179,8 @@ def main(argv=None):
             model=args.model or f"tiny qwen2 h{args.tiny_hidden} l{args.tiny_layers} v{args.tiny_vocab}",
             num_generations=args.num_generations, prompts_per_rank=args.prompts_per_rank,
             max_completion_length=args.max_completion_length, exact_length=args.exact_length, beta=args.beta,
-            levers_off=[k for k in ("hf_generate", "naive_logprobs", "keep_logits") if getattr(args, k)])
+            levers_off=[k for k in ("hf_generate", "no_lean_decoder", "naive_logprobs", "keep_logits")
+                        if getattr(args, k)])
         print(json.dumps(result), flush=True)
     gdist.cleanup()
 
