@@ -154,7 +154,7 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
     for t in range(max_new_tokens):
         scores = logits.float()
         if t < min_new_tokens:
-            scores[:, eos_ids] = float("-inf")
+            scores = scores.index_fill_(1, eos_ids, float("-inf"))
         if do_sample:
             if temperature != 1.0:
                 scores = scores / temperature
