@@ -14,8 +14,8 @@ rollout = sampling, reward, logprobs = reference (+ old when num_iterations > 1)
 backward + optimizer step. completion_tokens_per_s = completion tokens of all ranks per step / median step time.
 cpu_s = rank 0's process CPU time per step (with one thread, close to wall time on an idle machine; less sensitive
 to other jobs on a shared box). Levers can be switched off to measure what each gives: --hf-generate,
---no-lean-decoder, --naive-logprobs, --keep-logits (no in-place gradient). --profile prints torch.profiler's
-top operators of the last step.
+--no-lean-decoder, --fsdp-one-rank, --naive-logprobs, --keep-logits (no in-place gradient). --profile prints
+torch.profiler's top operators of the last step.
 The last output line is one JSON object.
 """
 
@@ -53,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--hf-generate", action="store_true", help="lever off: sample with HF generate")
     ap.add_argument("--no-lean-decoder", action="store_true",
                     help="lever off: the lean sampling loop on the model's own forward instead of grpo_dist.decoder")
+    ap.add_argument("--fsdp-one-rank", action="store_true",
+                    help="lever off: wrap in FSDP also on one full-precision rank (instead of engines/local.py)")
     ap.add_argument("--naive-logprobs", action="store_true", help="lever off: full fp32 log_softmax")
     ap.add_argument("--keep-logits", action="store_true", help="lever off: gradient in a new tensor")
     ap.add_argument("--set", nargs="*", default=[], help="extra grpo_dist config overrides key=value")
@@ -74,6 +76,9 @@ def apply_levers(args):
         extra["use_hf_generate"] = True
     if extra:
         tr.generate_rollouts = functools.partial(gen, **extra)
+    if args.fsdp_one_rank:
+        from grpo_dist.engines.fsdp import FSDPEngine
+        tr.build_engine = FSDPEngine
     if args.naive_logprobs:
         def naive(logits, labels, chunk_size=1024, temperature=1.0, overwrite_logits=False, entropy_out=None):
             logp = torch.log_softmax(logits.float() / temperature, -1)
@@ -179,8 +184,8 @@ def main(argv=None):
             model=args.model or f"tiny qwen2 h{args.tiny_hidden} l{args.tiny_layers} v{args.tiny_vocab}",
             num_generations=args.num_generations, prompts_per_rank=args.prompts_per_rank,
             max_completion_length=args.max_completion_length, exact_length=args.exact_length, beta=args.beta,
-            levers_off=[k for k in ("hf_generate", "no_lean_decoder", "naive_logprobs", "keep_logits")
-                        if getattr(args, k)])
+            levers_off=[k for k in ("hf_generate", "no_lean_decoder", "fsdp_one_rank", "naive_logprobs",
+                                    "keep_logits") if getattr(args, k)])
         print(json.dumps(result), flush=True)
     gdist.cleanup()
 

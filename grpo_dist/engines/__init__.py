@@ -86,8 +86,23 @@ def lr_lambda(warmup_steps: int, total_steps: int, kind: str):
     return f
 
 
+def adamw_with_schedule(cfg, params):
+    """AdamW from learning_rate / adam_* / weight_decay, and its LR schedule over max_steps x num_iterations."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    total = cfg.max_steps * cfg.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total,
+                                                                       cfg.lr_scheduler_type))
+    return optimizer, scheduler
+
+
 def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:
     if cfg.distributed.backend == "fsdp":
+        if ctx.world_size == 1 and not cfg.distributed.mixed_precision:
+            # One process in full precision: FSDP would shard nothing (it switches to NO_SHARD) and only add its
+            # per-layer hooks, ~12% of a reference-benchmark step (bench/README.md).
+            from grpo_dist.engines.local import LocalEngine
+            return LocalEngine(cfg, model, ctx)
         from grpo_dist.engines.fsdp import FSDPEngine
         return FSDPEngine(cfg, model, ctx)
     if cfg.distributed.backend == "deepspeed":

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from grpo_dist.engines import Engine, StepResult, lr_lambda
+from grpo_dist.engines import Engine, StepResult, adamw_with_schedule
 from grpo_dist.models import decoder_layer_classes, load_on_rank0_only, materialize_meta
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -49,12 +49,8 @@ class FSDPEngine(Engine):
                 self.module, check_fn=lambda m: isinstance(m, tuple(self._layer_classes)),
                 checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                         checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.module.parameters() if p.requires_grad], lr=cfg.learning_rate,
-            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        total = cfg.max_steps * cfg.num_iterations
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.warmup_steps, total, cfg.lr_scheduler_type))
+        self.optimizer, self.scheduler = adamw_with_schedule(
+            cfg, [p for p in self.module.parameters() if p.requires_grad])
 
     # ------------------------------------------------------------------------------------------------ wrapping
     def _wrap(self, model: torch.nn.Module, trainable: bool) -> FSDP:
