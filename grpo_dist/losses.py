@@ -24,7 +24,8 @@ def _rows_per_chunk(chunk_size: int, vocab: int) -> int:
 
 def _chunk_log_softmax(logits, s, e, temperature):
     # the same kernel as the naive full log_softmax, row by row, so the values agree with it exactly
-    return torch.log_softmax(logits[s:e].float() / temperature, dim=-1)
+    x = logits[s:e].float()
+    return torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)  # x / 1.0: a pass for nothing
 
 
 def _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out=None):

@@ -81,6 +81,9 @@ class FSDPEngine(Engine):
             device_id=self.ctx.device,  # required on CPU too, else FSDP looks for an accelerator
             use_orig_params=True,
             limit_all_gathers=True,
+            # issue the next unit's all-gather before this unit's forward runs (fewer stalls on each collective:
+            # -5-9% of a 2-rank reference-benchmark step), at the cost of one more unsharded unit in memory
+            forward_prefetch=True,
             # On CUDA rank 0's weights are broadcast while wrapping (the others built on the meta device); on CPU
             # this is refused: seeded tiny models are identical anyway, pretrained ones get the broadcast below.
             sync_module_states=on_cuda,
