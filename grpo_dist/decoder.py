@@ -45,7 +45,8 @@ def lean_decoder_unsupported(model, total_length: int) -> str | None:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(m) is not torch.nn.Linear for m in linears):
             return "a projection is not a plain Linear (adapter or quantised layer)"
-        window = getattr(attn, "sliding_window", None)
+        # Qwen2/Qwen3 keep a per-layer window (None on full-attention layers); Mistral reads it from the config
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         if window is not None and window < total_length:
             return f"sliding window {window} is shorter than the sequence ({total_length} tokens)"
     return None

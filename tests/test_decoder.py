@@ -177,6 +177,23 @@ def test_unsupported_models_are_named_and_fall_back():
     assert out.completion_ids.shape[0] == 4
 
 
+def test_mistral_and_its_config_level_sliding_window():
+    from transformers import MistralConfig, MistralForCausalLM
+    tok, _ = _model("llama")
+    torch.manual_seed(0)
+    config = MistralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, vocab_size=len(tok), sliding_window=None, head_dim=16)
+    model = MistralForCausalLM(config).eval().requires_grad_(False)
+    ids, mask, g = _inputs(len(tok))
+    gen = torch.randint(5, len(tok), (3, 5), generator=g)
+    assert lean_decoder_unsupported(model, 11) is None
+    torch.testing.assert_close(_decoder_logits(LeanDecoder(model), ids, mask, gen, None),
+                               _reference_logits(model, ids, mask, gen), atol=2e-5, rtol=1e-5)
+    model.config.sliding_window = 8  # Mistral-7B-v0.1 style: the window is in the config, not on the layers
+    assert "sliding window 8" in lean_decoder_unsupported(model, 11)
+    assert lean_decoder_unsupported(model, 8) is None
+
+
 @pytest.mark.parametrize("generation_batch_size", [None, 3])
 def test_rollouts_equal_the_transformers_forward_path(generation_batch_size):
     """Greedy rollouts token for token, EOS made likely so rows end at different steps; a generation batch of 3
