@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
     from grpo_dist.data import DataError, load_examples
+    from grpo_dist.decoder import prepare_replica
     from grpo_dist.models import load_model, load_tokenizer
     from grpo_dist.rewards import RewardComputer
 
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, tokenizer).to(ctx.device)
+        prepare_replica(model)  # generation only, never saved: fuse q|k|v and gate|up for the lean decoder
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,
                           progress=True)
