@@ -70,12 +70,15 @@ class GRPOTrainer:
         policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
         policy = policy if meta else policy.to(ctx.device)
         # The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
-        # is untouched until the first refresh on meta-built ranks). With mixed precision it holds the compute
-        # dtype: rollouts then sample from the weights the training passes compute with, at half the memory.
+        # is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
+        # compute dtype: rollouts then sample from the weights the training passes compute with, at half the
+        # memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
+        # would shift positions against the training forward more and more along the sequence.
         self.gen_model = copy.deepcopy(policy).eval()
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.distributed.mixed_precision)
         if compute_dtype is not None:
-            self.gen_model.to(dtype=compute_dtype)
+            for p in self.gen_model.parameters():
+                p.data = p.data.to(compute_dtype)
         if meta:
             materialize_meta(self.gen_model, ctx.device)
         self.gen_model.requires_grad_(False)

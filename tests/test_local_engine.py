@@ -28,6 +28,8 @@ def _engine_kind(rank, world, extra):
     with full:  # the replica holds the policy's weights, cast to its own dtype
         refreshed = all(torch.equal(replica[clean_name(k)], p.to(replica[clean_name(k)].dtype))
                         for k, p in module.named_parameters())
+    # buffers keep their dtype (RoPE's inv_freq in fp32, as the training forward has it)
+    assert {b.dtype for b in tr.gen_model.buffers() if b.is_floating_point()} == {torch.float32}
     return type(tr.engine).__name__, type(tr.ref_model).__name__, {p.dtype for p in replica.values()}, refreshed
 
 
