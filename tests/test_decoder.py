@@ -14,13 +14,7 @@ from grpo_dist.decoder import (LeanDecoder, fuse_projections, fused_projections,
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import HFDecoder, generate_rollouts, make_decoder
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(arch="qwen2", dtype="float32", **tiny):

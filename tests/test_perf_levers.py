@@ -10,15 +10,7 @@ from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import (_filter_scores, completion_logits, generate_rollouts, sample_from_scores,
                                sequence_inputs)
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A busy 2-core box: more threads make small-model decoding many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 TINY = ModelConfig(tiny=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -35,6 +35,17 @@ def _quiet_sharded_warnings():
         yield
 
 
+def checkpoint_layers(module: torch.nn.Module, layer_classes) -> None:
+    """Activation checkpointing: every decoder layer recomputed in the backward pass (torch's non-reentrant
+    wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    layers = tuple(layer_classes)
+    apply_activation_checkpointing(
+        module, check_fn=lambda m: isinstance(m, layers),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
 class FSDPEngine(Engine):
     def __init__(self, cfg, model: torch.nn.Module, ctx):
         self.cfg, self.ctx = cfg, ctx
@@ -43,12 +54,7 @@ class FSDPEngine(Engine):
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         self.module = self._wrap(model, trainable=True)
         if dcfg.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-            apply_activation_checkpointing(
-                self.module, check_fn=lambda m: isinstance(m, tuple(self._layer_classes)),
-                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            checkpoint_layers(self.module, self._layer_classes)
         self.optimizer, self.scheduler = adamw_with_schedule(
             cfg, [p for p in self.module.parameters() if p.requires_grad])
 
@@ -104,7 +110,7 @@ class FSDPEngine(Engine):
 
     def step(self, skip: bool = False) -> StepResult:
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-        grad_norm = float(self.module.clip_grad_norm_(max_norm))  # global norm over all shards: same on all ranks
+        grad_norm = self._clip_grad_norm(max_norm)
         applied = not skip and math.isfinite(grad_norm)
         if applied:
             self.optimizer.step()
@@ -112,13 +118,20 @@ class FSDPEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(grad_norm=grad_norm, applied=applied)
 
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        return float(self.module.clip_grad_norm_(max_norm))  # global norm over all shards: same on all ranks
+
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     # ---------------------------------------------------------------------------------------------- generation
+    def _full_params(self):
+        """Context in which self.module's named parameters are the full (unsharded) weights."""
+        return FSDP.summon_full_params(self.module, writeback=False, recurse=True)
+
     @torch.no_grad()
     def copy_weights_to(self, replica: torch.nn.Module) -> None:
-        with FSDP.summon_full_params(self.module, writeback=False, recurse=True):
+        with self._full_params():
             full = {clean_name(n): p for n, p in self.module.named_parameters()}
             for name, p in replica.named_parameters():
                 p.copy_(full[name])

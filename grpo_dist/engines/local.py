@@ -5,60 +5,40 @@ would shard nothing there (it switches to NO_SHARD), and its per-layer hooks cos
 benchmark. Checkpoints are the same files as the FSDP engine's (HF weights + FQN-keyed optimizer state, or a DCP
 directory), so a run can resume on more ranks under FSDP and the other way round. With mixed_precision set, the
 FSDP engine stays in charge even on one rank (its MixedPrecision semantics: bf16 compute, fp32 master weights).
+
+Everything that does not depend on the wrapper (backward, the optimizer step, LR schedule, DCP save/load, the
+replica refresh) is FSDPEngine's own code; only wrapping, gradient clipping and full-state gathering differ.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import contextlib
 
 import torch
 
-from grpo_dist.engines import Engine, StepResult, adamw_with_schedule
-from grpo_dist.engines.fsdp import _quiet_sharded_warnings, clean_name
+from grpo_dist.engines import adamw_with_schedule
+from grpo_dist.engines.fsdp import FSDPEngine, checkpoint_layers, clean_name
 from grpo_dist.models import decoder_layer_classes
 
 
-class LocalEngine(Engine):
-    def __init__(self, cfg, model: torch.nn.Module, ctx):
+class LocalEngine(FSDPEngine):
+    def __init__(self, cfg, model: torch.nn.Module, ctx):  # no FSDPEngine.__init__: nothing to wrap
         self.cfg, self.ctx = cfg, ctx
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         self.module = model
         if cfg.distributed.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-            layers = tuple(decoder_layer_classes(model))
-            apply_activation_checkpointing(
-                model, check_fn=lambda m: isinstance(m, layers),
-                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            checkpoint_layers(model, decoder_layer_classes(model))
         self.optimizer, self.scheduler = adamw_with_schedule(cfg, [p for p in model.parameters() if p.requires_grad])
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.requires_grad_(False).eval()
 
-    # ------------------------------------------------------------------------------------------------- update
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self, skip: bool = False) -> StepResult:
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
+    def _clip_grad_norm(self, max_norm: float) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        applied = not skip and math.isfinite(grad_norm)
-        if applied:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=grad_norm, applied=applied)
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
 
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @torch.no_grad()
-    def copy_weights_to(self, replica: torch.nn.Module) -> None:
-        full = {clean_name(n): p for n, p in self.module.named_parameters()}
-        for name, p in replica.named_parameters():
-            p.copy_(full[name])
+    def _full_params(self):
+        return contextlib.nullcontext()  # the parameters are the full weights
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
@@ -74,28 +54,3 @@ class LocalEngine(Engine):
         set_model_state_dict(self.module, model_state, options=opts)
         if optim_state is not None:
             set_optimizer_state_dict(self.module, self.optimizer, optim_state, options=opts)
-
-    def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def save_sharded(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
-        with _quiet_sharded_warnings():
-            dcp.save(self._state(), checkpoint_id=str(path))
-
-    def load_sharded(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        with _quiet_sharded_warnings():
-            state = self._state()
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_scheduler_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
