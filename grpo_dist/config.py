@@ -80,6 +80,10 @@ class DistributedConfig:
     backend: str = _f("fsdp", "training engine", ("fsdp", "deepspeed"))
     sharding_strategy: str = _f("FULL_SHARD", "FSDP sharding strategy",
                                 ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
+    fsdp_wrap: str = _f("auto", "FSDP units: layer (one per decoder layer) | model (the whole model is one unit: one "
+                        "all-gather per pass instead of one per layer) | auto (model below 100M parameters, where "
+                        "per-layer collectives and hooks cost more than they save; layer above)",
+                        ("auto", "layer", "model"))
     mixed_precision: Optional[str] = _f(None, "FSDP compute dtype: bf16 | fp16 | None (full precision)",
                                         ("bf16", "fp16"))
     activation_checkpointing: bool = _f(False, "recompute decoder layers in the backward pass")

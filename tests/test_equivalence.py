@@ -27,6 +27,8 @@ VARIANTS = {
 # Options that must not change the result (compared with the plain token_mean step), or only within bf16 noise.
 EXTRA_2RANK = {
     "activation_checkpointing": (["distributed.activation_checkpointing=true"], 1e-5),
+    # the tiny model is one FSDP unit under fsdp_wrap=auto; per-layer units (what big models get) must agree
+    "per_layer_units": (["distributed.fsdp_wrap=layer"], 1e-5),
     "bf16_mixed_precision": (["distributed.mixed_precision=bf16"], None),  # compared by update direction
 }
 
@@ -103,6 +105,8 @@ def test_two_ranks_equal_one_process_for_every_loss_type(single_process, tmp_pat
     moved = _max_diff(whole["token_mean"][0], whole["dr_grpo"][0])
     assert moved > 1e-4, "different loss types should give different updates"
     assert _max_diff(whole["token_mean"][0], two["activation_checkpointing"][0]) < 1e-5
+    assert _max_diff(whole["token_mean"][0], two["per_layer_units"][0]) < 1e-5
+    assert abs(whole["token_mean"][1]["loss"] - two["per_layer_units"][1]["loss"]) < 1e-5
     # bf16 compute: the update points the same way as the fp32 one (cosine of the weight deltas)
     base = _initial_weights()
     d32 = torch.cat([(whole["token_mean"][0][k] - base[k]).flatten() for k in base])

@@ -64,3 +64,61 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(tmp_path):
     assert saved_optim["state"], "the one-rank run saved no optimizer state"
     _tensors_equal(optim_sd, saved_optim, "optimizer")
     assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------- FSDP unit choice
+def _fsdp_units(rank, world, extra):
+    tr = _trainer(["output_dir=/tmp/unused_fsdp_units", "save_final=false"] + extra)
+    layers = tr.gen_model.config.num_hidden_layers
+    return len(FSDP.fsdp_modules(tr.engine.module)), len(FSDP.fsdp_modules(tr.ref_model)), layers
+
+
+def test_fsdp_wrap_auto_makes_a_small_model_one_unit_and_layer_one_per_decoder_layer(tmp_path):
+    (units, ref_units, layers), _ = run_ranks(_fsdp_units, 2, tmp_path, [])
+    assert (units, ref_units) == (1, 1)
+    (units, ref_units, layers), _ = run_ranks(_fsdp_units, 2, tmp_path, ["distributed.fsdp_wrap=layer"])
+    assert (units, ref_units) == (1 + layers, 1 + layers)
+
+
+def test_fsdp_wrap_auto_threshold_counts_parameters_also_on_meta_models():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo_dist.engines.fsdp import WHOLE_MODEL_UNIT_BELOW, wrap_units
+
+    def meta_model(layers):  # 16.8M parameters per layer plus 2 x 13.1M embedding and head, no storage
+        cfg = Qwen2Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=8,
+                          num_key_value_heads=8, vocab_size=12800, tie_word_embeddings=False)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    small, big = meta_model(4), meta_model(5)  # 93.3M, 110.1M
+    assert sum(p.numel() for p in small.parameters()) < WHOLE_MODEL_UNIT_BELOW < sum(
+        p.numel() for p in big.parameters())
+    assert (wrap_units(small, "auto"), wrap_units(big, "auto")) == ("model", "layer")
+    assert (wrap_units(small, "layer"), wrap_units(big, "model")) == ("layer", "model")
+
+
+def _save_sharded_per_layer(rank, world, out):
+    from grpo_dist import checkpoint as ckpt
+    tr = _trainer([f"output_dir={out}", "distributed.fsdp_wrap=layer", "max_steps=1", "save_final=false"])
+    assert tr.train() == 0
+    ckpt.save_checkpoint(out, tr.step, tr.engine, tr.gen_model, tr.tokenizer, tr.trainer_state(), tr.ctx,
+                         save_format="sharded")
+    return copy.deepcopy(tr.engine.gather_full_state())
+
+
+def _resume_as_one_unit(rank, world, ckpt_dir, out):
+    tr = _trainer([f"output_dir={out}", f"resume_from_checkpoint={ckpt_dir}", "max_steps=2"])
+    assert len(FSDP.fsdp_modules(tr.engine.module)) == 1
+    state = copy.deepcopy(tr.engine.gather_full_state())
+    assert tr.train() == 0 and tr.step == 2
+    return state
+
+
+def test_sharded_checkpoint_of_per_layer_units_resumes_with_one_unit(tmp_path):
+    """Runs saved before fsdp_wrap existed (per-layer units) resume under auto's single unit: DCP keys are FQNs."""
+    (saved_model, saved_optim), _ = run_ranks(_save_sharded_per_layer, 2, tmp_path, str(tmp_path / "a"))
+    (model_sd, optim_sd), _ = run_ranks(_resume_as_one_unit, 2, tmp_path, str(tmp_path / "a" / "checkpoint-1"),
+                                        str(tmp_path / "b"))
+    assert saved_optim["state"]
+    _tensors_equal(model_sd, saved_model, "model")
+    _tensors_equal(optim_sd, saved_optim, "optimizer")

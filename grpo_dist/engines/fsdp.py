@@ -35,6 +35,21 @@ def _quiet_sharded_warnings():
         yield
 
 
+# Below this many parameters the whole model is one FSDP unit under fsdp_wrap=auto. Unsharded it takes < 400 MB in
+# fp32 (torch's size_based_auto_wrap_policy uses the same 1e8 as its default unit size). Per-layer units there add a
+# collective and a hook pair per layer and pass: 2 ranks of the reference benchmark (4 layers) ran ~10% faster as one
+# unit (bench/README.md).
+WHOLE_MODEL_UNIT_BELOW = 100_000_000
+
+
+def wrap_units(model: torch.nn.Module, setting: str) -> str:
+    """'layer' or 'model' for distributed.fsdp_wrap = setting (auto decides by parameter count; meta models count
+    too)."""
+    if setting != "auto":
+        return setting
+    return "model" if sum(p.numel() for p in model.parameters()) < WHOLE_MODEL_UNIT_BELOW else "layer"
+
+
 def checkpoint_layers(module: torch.nn.Module, layer_classes) -> None:
     """Activation checkpointing: every decoder layer recomputed in the backward pass (torch's non-reentrant
     wrapper)."""
@@ -81,8 +96,8 @@ class FSDPEngine(Engine):
         wrapped = FSDP(
             model,
             sharding_strategy=ShardingStrategy[dcfg.sharding_strategy],
-            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                               transformer_layer_cls=self._layer_classes),
+            auto_wrap_policy=None if wrap_units(model, dcfg.fsdp_wrap) == "model" else functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls=self._layer_classes),
             mixed_precision=mp,
             device_id=self.ctx.device,  # required on CPU too, else FSDP looks for an accelerator
             use_orig_params=True,
@@ -94,7 +109,7 @@ class FSDPEngine(Engine):
             # this is refused: seeded tiny models are identical anyway, pretrained ones get the broadcast below.
             sync_module_states=on_cuda,
             # meta parameters get storage unit by unit as FSDP wraps, and are sharded at once: a non-zero rank
-            # never holds more than one unsharded decoder layer of a meta-built model
+            # never holds more than one unsharded unit of a meta-built model (a decoder layer, or a < 100M model)
             param_init_fn=(lambda m: materialize_meta(m, device)) if rank0_load and on_cuda else None,
         )
         return wrapped
