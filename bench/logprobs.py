@@ -5,7 +5,9 @@
 
 Each variant runs in a fresh subprocess; its peak is the rise of the process's peak RSS (VmHWM, reset through
 /proc/self/clear_refs) above the RSS with the inputs already built, so it counts exactly the memory the log-prob
-computation adds. Two passes are measured, as the trainer runs them:
+computation adds; the highest of --reps calls after one unmeasured warm-up call (the first call in a process also
+pays one-time initialisation, 85-110 MiB of the chunked variants here, which a training step does not).
+Two passes are measured, as the trainer runs them:
   score   no-grad forward (reference / old log-probs)
   train   forward + backward (the policy update); the gradient w.r.t. the logits is part of the cost
 Variants:
@@ -58,7 +60,7 @@ def run_variant(variant, mode, rows, vocab, dtype, chunk_size, reps):
     logits0, labels, grad_out = inputs(rows, vocab, dtype)
     times, peak = [], 0.0
     result = None
-    for r in range(reps):
+    for r in range(-1, reps):  # r = -1: warm-up, not measured (first-call initialisation is not per-step memory)
         logits = logits0.clone().requires_grad_(mode == "train")
         base = rss_kib("VmRSS")
         reset_peak()
@@ -71,8 +73,9 @@ def run_variant(variant, mode, rows, vocab, dtype, chunk_size, reps):
             if mode == "train":
                 (lp * grad_out).sum().backward()
         dt = time.perf_counter() - t0
-        peak = max(peak, (rss_kib("VmHWM") - base) / 1024)
-        times.append(dt)
+        if r >= 0:
+            peak = max(peak, (rss_kib("VmHWM") - base) / 1024)
+            times.append(dt)
         if r == 0:
             result = (lp.detach().clone(), logits.grad.float().clone() if mode == "train" else None)
         del logits, lp
