@@ -190,7 +190,7 @@ def main(argv=None):
         print(json.dumps(result), flush=True)
     # Release the FSDP modules before their process group is destroyed: 2-rank runs whose FSDP objects were
     # collected at interpreter exit, after destroy_process_group, aborted in ~1 of 5 runs ("terminate called
-    # without an active exception" in a C++ thread); 0 of 12 with this release. (grpo_dist.train freezes the heap
+    # without an active exception" in a C++ thread); 0 of 22 with this release. (grpo_dist.train freezes the heap
     # at exit instead, so nothing is collected after the group is gone.)
     del trainer, copy
     gc.collect()
