@@ -22,10 +22,15 @@ def _rows_per_chunk(chunk_size: int, vocab: int) -> int:
     return max(1, min(chunk_size, CHUNK_ELEMENTS // max(vocab, 1)))
 
 
+def _scaled_chunk(logits, s, e, temperature):
+    """Rows s:e of the logits in fp32, divided by the temperature (x / 1.0 would be a pass for nothing)."""
+    x = logits[s:e].float()
+    return x / temperature if temperature != 1.0 else x
+
+
 def _chunk_log_softmax(logits, s, e, temperature):
     # the same kernel as the naive full log_softmax, row by row, so the values agree with it exactly
-    x = logits[s:e].float()
-    return torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)  # x / 1.0: a pass for nothing
+    return torch.log_softmax(_scaled_chunk(logits, s, e, temperature), dim=-1)
 
 
 def _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out=None):
@@ -69,9 +74,8 @@ class _SelectiveLogProb(torch.autograd.Function):
             # d logp[label] / d logits = (onehot(label) - softmax(logits / t)) * grad_out / t: softmax scaled by
             # -grad_out / t, then grad_out / t added at the label (2x faster than exp(log_softmax) and a second
             # [rows, vocab] product: bench/README.md)
-            x = logits[s:e].float()
             scale = grad_out[s:e, None] / t
-            g = torch.softmax(x / t if t != 1.0 else x, dim=-1).mul_(-scale)
+            g = torch.softmax(_scaled_chunk(logits, s, e, t), dim=-1).mul_(-scale)
             g.scatter_add_(-1, labels[s:e, None], scale)
             grad[s:e] = g
         return grad, None, None, None, None, None

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist.engines import Engine, StepResult, adamw_with_schedule
-from grpo_dist.models import decoder_layer_classes, load_on_rank0_only, materialize_meta
+from grpo_dist.models import MIXED_PRECISION_DTYPES, decoder_layer_classes, load_on_rank0_only, materialize_meta
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -80,7 +80,7 @@ class FSDPEngine(Engine):
             warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`.*")
         mp = None
         if dcfg.mixed_precision:
-            low = torch.bfloat16 if dcfg.mixed_precision == "bf16" else torch.float16
+            low = MIXED_PRECISION_DTYPES[dcfg.mixed_precision]
             mp = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32 if trainable else low)
         on_cuda = self.ctx.device.type == "cuda"
         rank0_load = load_on_rank0_only(self.cfg, self.ctx.world_size)
