@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 MAX_ANSWER_CHARS = 2000   # longest answer (after extraction) we try to parse
-MAX_TOKENS = 800          # longest token stream
-MAX_DEPTH = 40            # deepest bracket / recursion nesting
-MAX_BITS = 8192           # largest exact number a power may produce (~2466 digits)
+MAX_TOKENS = 1000         # longest token stream
+MAX_NESTING = 48          # deepest bracket nesting in the text
+MAX_DEPTH = 160           # deepest recursion of the parser (about 3 per bracket level)
+MAX_BITS = 1 << 17        # largest exact number a power may produce (~39,500 digits, 2^65536 fits)
 MAX_SYMBOLIC_EXP = 1000   # |n| in x^n when x is symbolic
 MAX_FACTORIAL = 1000      # n! only for 0 <= n <= 1000
 MAX_BINOM = 2000          # binomial(n, k) only for n <= 2000
@@ -175,7 +176,7 @@ _CMD_ALIAS = {
     "le": ("rel", "<="), "leq": ("rel", "<="), "leqslant": ("rel", "<="),
     "ge": ("rel", ">="), "geq": ("rel", ">="), "geqslant": ("rel", ">="),
     "lt": ("rel", "<"), "gt": ("rel", ">"), "ne": ("rel", "!="), "neq": ("rel", "!="),
-    "approx": ("rel", "="), "equiv": ("rel", "="), "in": ("rel", "in"),
+    "approx": ("rel", "approx"), "simeq": ("rel", "approx"), "equiv": ("rel", "="), "in": ("rel", "in"),
     "dfrac": ("cmd", "frac"), "tfrac": ("cmd", "frac"), "cfrac": ("cmd", "frac"),
     "dbinom": ("cmd", "binom"), "tbinom": ("cmd", "binom"),
     "infty": ("cmd", "infty"), "varnothing": ("cmd", "emptyset"),
@@ -342,7 +343,7 @@ def guarded_binomial(n, k):
 
 def _check_size(v):
     """Reject exact numbers that grew too big through products."""
-    if v.is_Rational and _bits_of_rational(v) > 8 * MAX_BITS:
+    if v.is_Rational and _bits_of_rational(v) > 2 * MAX_BITS:
         raise ParseError("number too large")
     return v
 
@@ -455,31 +456,30 @@ class _Parser:
         return UnionV(parts)
 
     def parse_additive(self):
-        alts = None
         tok = self.peek()
         if tok == ("cmd", "pm") or tok == ("cmd", "mp"):
             self.take()
             t = _expr(self.parse_term())
-            alts = [t, -t]
+            alts = [[t], [-t]]
         else:
             first = self.parse_term()
             if not self._add_op_next():
                 return first
-            alts = [_expr(first)]
+            alts = [[_expr(first)]]
         while self._add_op_next():
             op = self.take()[1]
             t = _expr(self.parse_term())
             if op == "+":
-                alts = [a + t for a in alts]
+                alts = [a + [t] for a in alts]
             elif op == "-":
-                alts = [a - t for a in alts]
+                alts = [a + [-t] for a in alts]
             elif op == "pm":
-                alts = [a + t for a in alts] + [a - t for a in alts]
+                alts = [a + [t] for a in alts] + [a + [-t] for a in alts]
             else:  # mp
-                alts = [a - t for a in alts] + [a + t for a in alts]
+                alts = [a + [-t] for a in alts] + [a + [t] for a in alts]
             if len(alts) > MAX_ALTERNATIVES:
                 raise ParseError("too many alternatives")
-        alts = [_check_size(_check_finite(a)) for a in alts]
+        alts = [_check_size(_check_finite(sympy.Add(*a))) for a in alts]
         return alts[0] if len(alts) == 1 else PMList(alts)
 
     def _add_op_next(self):
@@ -648,8 +648,16 @@ class _Parser:
         if kind == "op":
             if val in ("(", "["):
                 return self.parse_bracket(val)
-            if val == "{":
-                return self.parse_group("}")
+            if val == "{":  # a group, or a set written with bare braces: {2, 5}
+                self.enter()
+                try:
+                    items = self.parse_seq()
+                    self.expect("op", "}")
+                finally:
+                    self.leave()
+                if len(items) == 1 and not isinstance(items[0], PMList):
+                    return items[0]
+                return SetV(_flatten(items))
             if val == "|":
                 self.abs_depth += 1
                 try:
@@ -828,7 +836,7 @@ def parse(s: str, percent_div: bool = True):
     """Parse cleaned answer text; returns (value, has_decimal).  Raises ParseError."""
     if len(s) > MAX_ANSWER_CHARS:
         raise ParseError("answer too long")
-    if max_nesting(s) > MAX_DEPTH:
+    if max_nesting(s) > MAX_NESTING:
         raise ParseError("nesting too deep")
     toks = tokenize(s)
     if not toks:
@@ -885,7 +893,7 @@ def mp_eval(expr, env=None):
 
 
 def _mp_eval(e, env, depth):
-    if depth > 4 * MAX_DEPTH:
+    if depth > 200:
         raise EvalError("too deep")
     if e.is_Integer:
         return mpmath.mpf(int(e))
