@@ -71,6 +71,7 @@ _BOX_NAMES = ("\\boxed", "\\fbox")
 _CTRL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 MAX_BOXES = 8              # boxes looked at (the last ones); more are never an answer group
 MAX_GAP_CHARS = 80         # longest text between two boxes of one answer group
+BARE_MAX_CHARS = 120       # longest completion read as a bare answer (no box, no phrase)
 _BRACE_TOK_RE = re.compile(r"\\.|[{}]", re.S)
 
 
@@ -223,6 +224,39 @@ def _answer_parts(text: str):
             return [ans]
     if spans:
         return _box_group(text, spans)
+    bare = _bare_answer(text)
+    return [bare] if bare else None
+
+
+_DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
+_UNIT_WORD_SET = None
+
+
+def _bare_answer(text: str):
+    """A completion that is nothing but an answer (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
+
+    One line of at most BARE_MAX_CHARS characters, either wholly inside one math
+    delimiter pair, or with no prose: every run of letters outside LaTeX commands
+    is at most 3 letters long, a math word or a unit -- or at most two words
+    and no digit (a text answer).  Prose such as "the answer is 42" is no answer.
+    """
+    global _UNIT_WORD_SET
+    t = text.strip()
+    if not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t:
+        return None
+    m = _DELIMITED_RE.fullmatch(t)
+    if m:
+        inner = next(g for g in m.groups() if g is not None).strip()
+        return inner if inner and "$" not in inner else None
+    if _UNIT_WORD_SET is None:
+        _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", _UNIT_WORDS)}
+    bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
+    runs = re.findall(r"[A-Za-z]+", bare)
+    if all(len(w) <= 3 or w.lower() in _MATH_WORDS or w.lower().rstrip("s") in _UNIT_WORD_SET
+           or w.lower() in _UNIT_WORD_SET for w in runs):
+        return t
+    if len(t.split()) <= 2 and not re.search(r"\d", t):
+        return t
     return None
 
 
@@ -265,7 +299,7 @@ def _reference_answer(reference: str) -> str:
 _UNICODE = [
     ("\u2212", "-"), ("\u2013", "-"), ("\u00d7", "*"), ("\u22c5", "*"), ("\u00b7", "*"),
     ("\u00f7", "/"), ("\u03c0", "\\pi "), ("\u221e", "\\infty "), ("\u221a", "\\sqrt"),
-    ("\u2264", "\\le "), ("\u2265", "\\ge "), ("\u2260", "\\ne "), ("\u00b0", ""),
+    ("\u2264", "\\le "), ("\u2265", "\\ge "), ("\u2260", "\\ne "), ("\u00b0", "^\\circ "),
     ("\u222a", "\\cup "), ("\u00a0", " "), ("\u2009", " "), ("\u202f", " "),
     ("\u211d", "\\mathbb{R}"), ("\u2248", "\\approx "), ("\u2228", "\\lor "), ("\u2044", "/"),
 ]
@@ -322,6 +356,9 @@ _SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])[1-9]\d{0,2}(?: \d{3})+(?![\d/])")
 _REPEATING_RE = re.compile(r"(\d*)\.(\d*)(?:\\overline\s*(?:\{\s*(\d{1,40})\s*\}|(\d))|\((\d{1,40})\))")
 _REALS_RE = re.compile(r"\\mathbb\s*(?:\{\s*R\s*\}|R)")
 _REALS_TEXT_RE = re.compile(r"(?i)(?:the\s+set\s+of\s+)?(?:all\s+)?real(?:\s+numbers|s)")
+_TRIG_DEG_RE = re.compile(  # sin 30^\circ: a trig argument in degrees
+    r"(\\(?:sin|cos|tan|cot|sec|csc)\s*\(?\s*)(\d+(?:\.\d+)?)\s*(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree)")
+_CHOOSE_RE = re.compile(r"\{\s*([^{}]+?)\s*\\choose\s*([^{}]+?)\s*\}")
 _OR_PAREN_RE = re.compile(r"\(\s*or\s+([^()]*)\)")
 
 
@@ -360,8 +397,10 @@ def clean_answer(s: str) -> str:
     s = re.sub(r",\\!\s*", ",", s)
     s = re.sub(r"\\[,;:!]", "", s)
     s = re.sub(r"\\ |\\q?quad(?![A-Za-z])|~", " ", s)
+    s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
+    s = _CHOOSE_RE.sub(r"\\binom{\1}{\2}", s)
     s = s.replace("\\%", "%")
     s = _PERCENT_WORD_RE.sub("%", s)
     s = _TEXT_CONNECT_RE.sub(",", s)

@@ -453,6 +453,8 @@ class _Parser:
         for p in parts:
             if not isinstance(p, (Tup, SetV, UnionV)):
                 raise ParseError("union of non-sets")
+        if all(isinstance(p, SetV) for p in parts):  # {1, 2} U {3} is the finite set {1, 2, 3}
+            return SetV([x for p in parts for x in p.items])
         return UnionV(parts)
 
     def parse_additive(self):
@@ -524,7 +526,7 @@ class _Parser:
         if kind in ("num", "id", "setopen", "begin"):
             return True
         if kind == "cmd":
-            return val not in ("pm", "mp", "cup", "cap", "to", "unknown")
+            return val not in ("pm", "mp", "cup", "cap", "to", "unknown", "rfloor", "rceil")
         if kind == "op":
             if val == "|":
                 return self.abs_depth == 0
@@ -747,6 +749,10 @@ class _Parser:
             if a.is_number and a.is_real and a.is_negative and n % 2 == 1:
                 return -guarded_pow(-a, sympy.Rational(1, int(n)))
             return guarded_pow(a, sympy.Rational(1, int(n)))
+        if name in ("lfloor", "lceil"):
+            inner = _expr(self.parse_additive())
+            self.expect("cmd", "rfloor" if name == "lfloor" else "rceil")
+            return sympy.floor(inner) if name == "lfloor" else sympy.ceiling(inner)
         if name == "binom":
             n = self.parse_arg()
             k = self.parse_arg()
@@ -939,6 +945,11 @@ def _mp_eval(e, env, depth):
         return _mp_check(mpmath.exp(lg))
     if isinstance(e, sympy.Abs):
         return abs(_mp_eval(e.args[0], env, d))
+    if isinstance(e, (sympy.floor, sympy.ceiling)):
+        x = _mp_eval(e.args[0], env, d)
+        if mpmath.im(x) != 0:
+            raise EvalError("floor of a complex number")
+        return mpmath.floor(x) if isinstance(e, sympy.floor) else mpmath.ceil(x)
     if isinstance(e, sympy.factorial):
         x = _mp_eval(e.args[0], env, d)
         if abs(x) > 10 ** 4:
