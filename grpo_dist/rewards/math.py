@@ -139,20 +139,26 @@ def _box_spans(text: str) -> list:
     return outer[-MAX_BOXES:]
 
 
-_GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
+_GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 _GAP_NOISE_RE = re.compile(
-    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|\b(?:and|or)\b|"
+    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
     r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
 )
+# words that join boxes into one answer (a list, or a hedge between alternatives)
+_GAP_WORDS = {"and", "or", "maybe", "possibly", "perhaps", "alternatively", "either", "also",
+              "otherwise", "nor", "both", "plus", "as", "well", "else", "respectively"}
 
 
 def _connective(gap: str) -> bool:
-    """True when two boxes are separated only by list punctuation, 'and'/'or' or a label."""
-    if len(gap) > MAX_GAP_CHARS or "\n\n" in gap:
+    """True when two boxes are joined only by punctuation, labels or and/or-like words."""
+    if len(gap) > MAX_GAP_CHARS:
         return False
     g = _GAP_WRAP_RE.sub(r" \1 ", gap)
     g = _GAP_NOISE_RE.sub(" ", g)
-    return re.fullmatch(r"[\s,;.:$&]*", g) is not None
+    words = re.findall(r"[A-Za-z]+", g)
+    if any(w.lower() not in _GAP_WORDS for w in words):
+        return False
+    return re.fullmatch(r"[\sA-Za-z,;.:$&()*/\-]*", g) is not None
 
 
 def _box_group(text: str, spans: list) -> list:
@@ -165,7 +171,8 @@ def _box_group(text: str, spans: list) -> list:
     return [c.strip() for _, _, c in group]
 
 
-_PHRASE_RE = re.compile(r"(?:final\s+answer\s*(?:is\b|:|=)|\banswer\s*(?:is\s*)?:)\s*:?\s*", re.I)
+_PHRASE_RE = re.compile(
+    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:)[\s*_]*:?\s*", re.I)
 _LEAD_RE = re.compile(
     r"(?i)(?:the|so|thus|hence|therefore|it|this|that|our|we|a|an|my)\b[^=]{0,80}?\s"
     r"(?:is|are|equals|was|be|gives|get)\s*:?\s+(?=\S)"
@@ -178,7 +185,7 @@ _TAIL_WORDS_RE = re.compile(
 
 def _phrase_answer(rest: str):
     """The answer stated right after a final-answer phrase (its first non-empty line)."""
-    lines = [ln.strip() for ln in rest.split("\n", 3)[:3]]
+    lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
     line = next((ln for ln in lines if ln), "")
     if not line:
         return None
