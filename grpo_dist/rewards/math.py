@@ -3,20 +3,98 @@
 Public API
 ----------
 ``extract_answer(text) -> str | None``
-    The final answer of a completion: the content of the last ``\\boxed{...}`` /
-    ``\\fbox{...}`` (nested braces), else the last GSM8K ``#### n`` line, else the
-    last "the final answer is ..." phrase; ``None`` when there is none.
+    The final answer of a completion (rules 1-3 below); ``None`` when there is none.
 
 ``math_reward(completion, reference) -> float``
     1.0 when the extracted answer is mathematically equivalent to the reference,
     else 0.0.  Never raises.
 
+``is_equivalent(answer, reference) -> bool`` and ``last_boxed(text)`` (the content
+of the last box, used by the data loader for references) are public too.
+
+Grading rules
+-------------
+A grader that pays for hedging teaches the policy to hedge, so every rule below
+says both what is accepted and what is refused.  Each rule has pass and fail
+cases in ``tests/data/math_cases_round2.jsonl`` (the category in brackets),
+checked by ``tests/test_math_round2.py``.
+
+1. Which box counts [boxed_list, hedge].  The answer is the *last* ``\\boxed{}``
+   / ``\\fbox{}`` together with the boxes chained to it: a box belongs to the
+   group when the text between it and the next box of the group is at most
+   MAX_GAP_CHARS characters of punctuation, ``$``, labels (``x =``, ``(b)``) and
+   the joining words in ``_GAP_WORDS`` (and, or, maybe, possibly,
+   alternatively, ...).  A group of several boxes is **one list answer**
+   (boxes holding equivalent values count once): ``\\boxed{-4} and \\boxed{2}``
+   equals the reference ``-4, 2`` but never ``2``.  An earlier box separated by
+   other words ("then", a paragraph of work) is not part of the answer: the
+   later box replaces it.  Only the last MAX_BOXES boxes are looked at.
+2. Final-answer phrases [final_phrase].  ``Final answer: ...`` / ``final
+   answer is ...`` / ``answer: ...`` / ``The answer is: ...`` (a colon is
+   required after a bare "answer is"; prose such as "the answer is 42" is not a
+   marker) and a GSM8K ``#### n`` line.  The marker that comes *last* in the
+   text wins: a phrase after the last box replaces the box, provided its answer
+   is math (a digit, a LaTeX command or an option letter), so "the answer is
+   correct" after a box does not.  The phrase answer is the first ``$...$`` or
+   the sentence up to its full stop; "The smallest $k$ is 12" gives ``12``.
+3. Bare answers.  A completion with no box and no marker that is itself only
+   an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
+   one math delimiter pair or without prose words -- is its own answer
+   (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
+4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
+   ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
+   list (unordered, same length) and **never equals a single value**:
+   ``7 or 9``, ``2 \\lor 8``, ``20 (or 21)``, ``\\pm 5`` all get 0 against one of
+   their values and 1 against the reference list.  Tuples and intervals are
+   ordered and their brackets must match; sets are unordered and deduplicated.
+5. Multiple choice [choice].  When the reference is an option letter (``C``,
+   ``(C)``, ``\\text{(C)}``) the answer must name **exactly one** option and it
+   must be that one.  Options are ``(X)`` or a lone capital letter (``C.``,
+   ``C:``, ``C 7``); ``(A)(B)(C)(D)(E)``, ``(B) or (C)``, ``C. 7, D. 9`` and
+   "(C) is wrong, the answer is (D)" name several and get 0.
+6. Labels and chains [labelled, chained].  A label on the left -- a variable,
+   ``a_1``, a product of letters (``PQ``, ``g(x)``) or a tuple of them
+   (``(m,n)``) -- is dropped when the other side has none: ``(m,n)=(4,1)``
+   equals ``(4,1)``, ``PQ=6, RS=7`` equals ``6, 7`` *in that order* (labelled
+   assignments vs a bare list are compared in order).  An equality chain gives
+   its last part (``y = 3+4+2 = 9`` -> 9) and ``\\approx`` gives the exact part
+   before it (``\\frac18 \\approx 0.125`` -> 1/8).  A chain whose constant parts
+   disagree (``3+4 = 8``, ``5 = 7``) or whose approximation is off by more than
+   APPROX_REL_TOL equals nothing.  ``x+y=5`` is an equation, not a label.
+7. Inequalities [inequality].  Chains are read in < direction (``5 > x > 1``
+   is ``1 < x < 5``); two one-relation inequalities are equal when their sides
+   differ by the same positive factor (``-x > -3`` = ``x < 3``, ``2x-4 \\ge 0`` =
+   ``x \\ge 2``; a negative factor flips the meaning and is refused).  A one-
+   variable inequality equals the interval it defines (``1 \\le x < 5`` =
+   ``[1, 5)``; ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
+8. Number formats [number_format, repeating_decimal, percent_words,
+   units_text].  Thousands separators ``,``, ``{,}``, ``\\,``, ``\\ `` and plain
+   spaces (``2 500``) are dropped (groups of exactly three digits).  A decimal
+   comma (``3,5``, ``0,75``) is read as a decimal point only when the other side
+   is a single value (has no comma) -- ``1,500`` is always fifteen hundred.
+   ``0.\\overline{6}`` / ``0.8\\overline{3}`` / ``0.(6)`` are the exact fractions.
+   ``35 percent`` / ``35 pct`` are ``35\\%`` (which matches ``35`` and ``0.35``).
+   Units in ``\\text``/``\\textnormal``/``\\mathrm`` and common unit words after a
+   number are dropped.
+9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
+   ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
+   ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``.
+10. Unicode [unicode].  Zero-width characters are dropped, ``x²`` is ``x^{2}``,
+    ``½`` is ``\\frac{1}{2}`` (``2½`` = 5/2), ``−``, ``×``, ``π``, ``√``, ``≤`` ...
+    become LaTeX, then NFKC folds full-width digits (``１２`` = 12).
+11. Size guards [size_guard].  Every guard of :mod:`grpo_dist.rewards.parser`
+    stays (input length, token count, nesting, number size checked *before* a
+    power / factorial / product is built, bounded numeric evaluation), with
+    limits that let moderate exact arithmetic through: integers up to 2^17 bits
+    (``2^{2^{2^{2^2}}}`` = ``2^{65536}``), 48 bracket levels, 1000 tokens (sums
+    of a few hundred terms, built in one ``Add``).  Anything larger is refused
+    and graded 0 in milliseconds (``10^{10^{10}}``).
+
 How equivalence is decided
 --------------------------
 Both sides are cleaned (``$``, ``\\left``/``\\right``, spacing macros, ``\\text``
-units, degrees, thousands separators, a trailing period ...) and parsed by the
-restricted parser in :mod:`grpo_dist.rewards.parser` (no ``eval``/``sympify``).
-Then:
+units, degrees, separators, a trailing period ...) and parsed by the restricted
+parser in :mod:`grpo_dist.rewards.parser` (no ``eval``/``sympify``).  Then:
 
 * plain numbers are compared as exact fractions;
 * constant expressions are compared exactly (sympy's automatic simplification)
@@ -26,11 +104,9 @@ Then:
 * expressions with variables are compared by evaluating both at several fixed
   generic points (a randomised identity test; no ``simplify``, so it is bounded);
 * equations compare their right-hand sides when the left side is the same
-  variable (``x = 5`` vs ``5``), else ``lhs - rhs`` up to a constant factor;
-* tuples and intervals are ordered and their brackets must match; sets, unions
-  and top-level comma lists are unordered; matrices compare element-wise;
-* percent answers match both ``p`` and ``p/100``; multiple-choice letters match
-  ``(B)``, ``\\text{(B)}`` and ``B``; text answers compare case-insensitively.
+  label (``x = 5`` vs ``5``), else ``lhs - rhs`` up to a constant factor;
+* matrices compare element-wise; percent answers match both ``p`` and
+  ``p/100``; text answers compare case-insensitively.
 
 Decimal tolerance rule
 ----------------------
