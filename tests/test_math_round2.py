@@ -21,7 +21,7 @@ with open(CASES_PATH, encoding="utf-8") as _f:
 
 RULES = ["boxed_list", "labelled", "chained", "inequality", "final_phrase", "number_format",
          "set_notation", "repeating_decimal", "units_text", "percent_words", "size_guard", "unicode",
-         "choice", "hedge", "general"]
+         "choice", "hedge", "bare_answer", "general"]
 
 
 def test_every_rule_has_pass_and_fail_cases():

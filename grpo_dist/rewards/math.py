@@ -441,6 +441,7 @@ _REALS_RE = re.compile(r"\\mathbb\s*(?:\{\s*R\s*\}|R)")
 _REALS_TEXT_RE = re.compile(r"(?i)(?:the\s+set\s+of\s+)?(?:all\s+)?real(?:\s+numbers|s)")
 _TRIG_DEG_RE = re.compile(  # sin 30^\circ: a trig argument in degrees
     r"(\\(?:sin|cos|tan|cot|sec|csc)\s*\(?\s*)(\d+(?:\.\d+)?)\s*(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree)")
+_ANSWER_IS_RE = re.compile(r"(?i)^(?:so\s+|thus\s+|hence\s+)?(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(?=\S)")
 _CHOOSE_RE = re.compile(r"\{\s*([^{}]+?)\s*\\choose\s*([^{}]+?)\s*\}")
 _OR_PAREN_RE = re.compile(r"\(\s*or\s+([^()]*)\)")
 
@@ -494,6 +495,7 @@ def clean_answer(s: str) -> str:
             break
         s = s2
     s = s.strip()
+    s = _ANSWER_IS_RE.sub("", s)
     s = re.sub(r"[.\s]+$", "", s) if not re.search(r"\d\.$", s) else s[:-1]
     s = re.sub(r"^[A-Za-z]\s*\\in\s*", "", s)
     s = _REALS_RE.sub(lambda m: "(-\\infty,\\infty)", s)
@@ -690,7 +692,8 @@ def _is_label(v) -> bool:
         return v.left == "(" and v.right == ")" and all(_is_label(x) for x in v.items)
     if isinstance(v, sympy.Symbol):
         return True
-    return isinstance(v, sympy.Mul) and all(isinstance(x, sympy.Symbol) for x in v.args)
+    return isinstance(v, sympy.Mul) and all(  # PQ, g(x), f^{-1}(x)
+        isinstance(x, sympy.Symbol) or (x.is_Pow and x.base.is_Symbol and x.exp == -1) for x in v.args)
 
 
 def _is_ineq(r) -> bool:
@@ -924,6 +927,7 @@ def _choice_letters(cleaned: str) -> set:
     return {m.group(1) or m.group(2) for m in _LETTER_RE.finditer(cleaned)}
 
 
+_CHOICE_VALUE_RE = re.compile(r"\(\s*([A-Z])\s*\)\s*(\S.*)")
 _DEC_COMMA_RE = re.compile(r"-?\d+,\d+")
 
 
@@ -955,6 +959,12 @@ def is_equivalent(answer: str, reference: str) -> bool:
     fa, fr = _plain_number(a), _plain_number(r)
     if fa is not None and fr is not None:
         return fa == fr
+    m = _CHOICE_VALUE_RE.fullmatch(r)
+    if m:  # reference "(C) 12": the option, or its value
+        letters = _choice_letters(a)
+        if letters:
+            return letters == {m.group(1)}
+        return is_equivalent(answer, m.group(2))
     ref_choice = _choice(r)
     if ref_choice is not None:
         letters = _choice_letters(a)

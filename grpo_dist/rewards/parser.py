@@ -166,7 +166,7 @@ _WORDS = sorted(
 )
 _SKIP_CMDS = {
     "left", "right", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl", "Bigr",
-    "displaystyle", "textstyle", "limits", "quad", "qquad", "hfill",
+    "displaystyle", "textstyle", "limits", "quad", "qquad", "hfill", "angle", "measuredangle", "triangle",
 }
 _CMD_ALIAS = {
     "cdot": ("op", "*"), "times": ("op", "*"), "ast": ("op", "*"), "div": ("op", "/"),
@@ -736,7 +736,14 @@ class _Parser:
         if name == "frac":
             a = self.parse_arg()
             b = self.parse_arg()
+            if isinstance(a, PMList) or isinstance(b, PMList):  # \frac{-1 \pm \sqrt5}{2}
+                alts = [self._div(x, y) for x in getattr(a, "items", [a]) for y in getattr(b, "items", [b])]
+                if len(alts) > MAX_ALTERNATIVES:
+                    raise ParseError("too many alternatives")
+                return PMList(alts)
             return self._div(a, b)
+        if name in ("overline", "overrightarrow", "overleftrightarrow", "vec", "widehat", "hat", "bar"):
+            return self.parse_arg()  # segment / arc / vector names: AB
         if name == "sqrt":
             n = None
             if self.accept("op", "["):
