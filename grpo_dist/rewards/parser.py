@@ -502,6 +502,8 @@ class _Parser:
                 self.take()
                 left = self._div(left, self.parse_signed())
             elif self._starts_atom(tok):
+                if tok[0] == "num" and self.t[self.i - 1][0] == "num":
+                    raise ParseError("two numbers side by side")  # "5 7" is not 35
                 right = self.parse_power()
                 if first and _is_mixed_number(first_tokens, tok, right):
                     left = left - right if first_tokens[0] == ("op", "-") else left + right
