@@ -442,6 +442,8 @@ _REALS_TEXT_RE = re.compile(r"(?i)(?:the\s+set\s+of\s+)?(?:all\s+)?real(?:\s+num
 _TRIG_DEG_RE = re.compile(  # sin 30^\circ: a trig argument in degrees
     r"(\\(?:sin|cos|tan|cot|sec|csc)\s*\(?\s*)(\d+(?:\.\d+)?)\s*(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree)")
 _ANSWER_IS_RE = re.compile(r"(?i)^(?:so\s+|thus\s+|hence\s+)?(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(?=\S)")
+_SET_BUILDER_RE = re.compile(
+    r"\\\{\s*[A-Za-z](?:\s*\\in\s*\\mathbb\s*\{?\s*R\s*\}?)?\s*(?:\\mid|\||:)\s*(.+?)\s*\\\}")
 _CHOOSE_RE = re.compile(r"\{\s*([^{}]+?)\s*\\choose\s*([^{}]+?)\s*\}")
 _OR_PAREN_RE = re.compile(r"\(\s*or\s+([^()]*)\)")
 
@@ -497,6 +499,9 @@ def clean_answer(s: str) -> str:
     s = s.strip()
     s = _ANSWER_IS_RE.sub("", s)
     s = re.sub(r"[.\s]+$", "", s) if not re.search(r"\d\.$", s) else s[:-1]
+    m = _SET_BUILDER_RE.fullmatch(s)
+    if m:  # {x | x > 2}: the condition
+        s = m.group(1)
     s = re.sub(r"^[A-Za-z]\s*\\in\s*", "", s)
     s = _REALS_RE.sub(lambda m: "(-\\infty,\\infty)", s)
     if _REALS_TEXT_RE.fullmatch(s):
@@ -747,22 +752,70 @@ def _norm_chain(r: Rel):
     return list(r.parts), list(r.ops)
 
 
+def _linear(e):
+    """(x, k, b) when e == k*x + b for one symbol x and real constants k != 0, b; else None."""
+    if not isinstance(e, sympy.Expr) or len(e.free_symbols) != 1:
+        return None
+    x = next(iter(e.free_symbols))
+    k = e.diff(x)
+    if k.free_symbols or not k.is_real or k == 0:
+        return None
+    b = sympy.expand(e - k * x)
+    if b.free_symbols or not b.is_real:
+        return None
+    return x, k, b
+
+
+def _iv(lo, hi, lo_strict, hi_strict):
+    return Tup([lo, hi], "(" if lo_strict else "[", ")" if hi_strict else "]")
+
+
 def _interval(r: Rel):
-    """``x < 3`` -> (-oo, 3), ``1 <= x < 5`` -> [1, 5); None unless one variable against constants."""
+    """The set a one-variable inequality defines, as an interval or a union of two.
+
+    ``x < 3`` -> (-oo, 3), ``1 <= x < 5`` -> [1, 5), ``2x - 4 >= 0`` -> [2, oo),
+    ``|x| <= 2`` -> [-2, 2], ``|x - 1| > 2`` -> (-oo, -1) U (3, oo); None otherwise.
+    """
     if not _is_ineq(r):
         return None
     parts, ops = _norm_chain(r)
     if not all(op in ("<", "<=") for op in ops):
         return None
-    if len(parts) == 2:
-        if isinstance(parts[0], sympy.Symbol) and _const(parts[1]):
-            return Tup([-sympy.oo, parts[1]], "(", ")" if ops[0] == "<" else "]")
-        if isinstance(parts[1], sympy.Symbol) and _const(parts[0]):
-            return Tup([parts[0], sympy.oo], "(" if ops[0] == "<" else "[", ")")
+    if len(parts) == 3 and _const(parts[0]) and _const(parts[2]):
+        lin = _linear(parts[1])
+        if lin is None:
+            return None
+        _, k, b = lin
+        lo, hi = (parts[0] - b) / k, (parts[2] - b) / k
+        s_lo, s_hi = ops[0] == "<", ops[1] == "<"
+        if k.is_negative:
+            lo, hi, s_lo, s_hi = hi, lo, s_hi, s_lo
+        return _iv(lo, hi, s_lo, s_hi)
+    if len(parts) != 2:
         return None
-    if len(parts) == 3 and isinstance(parts[1], sympy.Symbol) and _const(parts[0]) and _const(parts[2]):
-        return Tup([parts[0], parts[2]], "(" if ops[0] == "<" else "[", ")" if ops[1] == "<" else "]")
-    return None
+    strict = ops[0] == "<"
+    left, right = parts
+    for side, const, abs_small in ((left, right, True), (right, left, False)):
+        # abs_small: |u| < c (the Abs on the left of <), else c < |u|
+        if isinstance(side, sympy.Abs) and _const(const):
+            lin = _linear(side.args[0])
+            if lin is None or not const.is_positive:
+                return None
+            _, k, b = lin
+            lo, hi = sorted([(-const - b) / k, (const - b) / k], key=lambda v: float(v))
+            if abs_small:
+                return _iv(lo, hi, strict, strict)
+            return UnionV([_iv(-sympy.oo, lo, True, strict), _iv(hi, sympy.oo, strict, True)])
+    if not (_const(left) or _const(right)):
+        return None
+    lin = _linear(left - right)
+    if lin is None:
+        return None
+    _, k, b = lin
+    root = -b / k
+    if k.is_positive:   # k x + b < 0  ->  x < root
+        return _iv(-sympy.oo, root, True, strict)
+    return _iv(root, sympy.oo, strict, True)
 
 
 def _ineq_equiv(a: Rel, b: Rel, dec: bool) -> bool:
@@ -866,6 +919,9 @@ def values_equiv(a, b, dec: bool) -> bool:
             return _unordered(a.items, b.items, dec)
         other = b if isinstance(a, Multi) else a
         multi = a if isinstance(a, Multi) else b
+        if (not isinstance(other, (SetV, Tup, UnionV)) and len(multi.items) <= MAX_ITEMS
+                and all(values_equiv(x, multi.items[0], dec) for x in multi.items[1:])):
+            return values_equiv(multi.items[0], other, dec)  # "1/2 or 0.5": one value written twice
         if isinstance(other, UnionV):  # x < -1 or x > 3  vs  (-oo,-1) U (3,oo)
             ivs = [_interval(x) if isinstance(x, Rel) else x for x in multi.items]
             return None not in ivs and _unordered(ivs, other.parts, dec)
