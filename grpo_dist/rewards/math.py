@@ -285,7 +285,9 @@ def _phrase_answer(rest: str):
 
 def _gradeable(ans: str) -> bool:
     """A phrase answer that may override an earlier box: math or a choice, not prose."""
-    return bool(re.search(r"[\d\\]", ans) or re.fullmatch(r"\(?[A-Z]\)?", ans))
+    if re.fullmatch(r"\(?[A-Z]\)?", ans):
+        return True
+    return bool(re.search(r"[\d\\]", ans)) and not _has_prose(ans)
 
 
 def _answer_parts(text: str):
@@ -315,6 +317,19 @@ _DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", r
 _UNIT_WORD_SET = None
 
 
+def _has_prose(t: str) -> bool:
+    """A run of 4+ letters outside LaTeX commands that is neither a math word nor a unit."""
+    global _UNIT_WORD_SET
+    if _UNIT_WORD_SET is None:
+        _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", _UNIT_WORDS)}
+    bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
+    for w in re.findall(r"[A-Za-z]+", bare):
+        lw = w.lower()
+        if len(w) > 3 and lw not in _MATH_WORDS and lw not in _UNIT_WORD_SET and lw.rstrip("s") not in _UNIT_WORD_SET:
+            return True
+    return False
+
+
 def _bare_answer(text: str):
     """A completion that is nothing but an answer (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
 
@@ -323,7 +338,6 @@ def _bare_answer(text: str):
     is at most 3 letters long, a math word or a unit -- or at most two words
     and no digit (a text answer).  Prose such as "the answer is 42" is no answer.
     """
-    global _UNIT_WORD_SET
     t = text.strip()
     if not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t:
         return None
@@ -331,12 +345,7 @@ def _bare_answer(text: str):
     if m:
         inner = next(g for g in m.groups() if g is not None).strip()
         return inner if inner and "$" not in inner else None
-    if _UNIT_WORD_SET is None:
-        _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", _UNIT_WORDS)}
-    bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
-    runs = re.findall(r"[A-Za-z]+", bare)
-    if all(len(w) <= 3 or w.lower() in _MATH_WORDS or w.lower().rstrip("s") in _UNIT_WORD_SET
-           or w.lower() in _UNIT_WORD_SET for w in runs):
+    if not _has_prose(t):
         return t
     if len(t.split()) <= 2 and not re.search(r"\d", t):
         return t
