@@ -34,8 +34,9 @@ checked by ``tests/test_math_round2.py``.
    required after a bare "answer is"; prose such as "the answer is 42" is not a
    marker) and a GSM8K ``#### n`` line.  The marker that comes *last* in the
    text wins: a phrase after the last box replaces the box, provided its answer
-   is math (a digit, a LaTeX command or an option letter), so "the answer is
-   correct" after a box does not.  The phrase answer is the first ``$...$`` or
+   is math (a digit or a LaTeX command, and no prose word of 4+ letters other
+   than math words and units) or an option letter, so "the answer is: correct"
+   or "verify the answer: substitute x = 3 ..." after a box does not.  The phrase answer is the first ``$...$`` or
    the sentence up to its full stop; "The smallest $k$ is 12" gives ``12``.
 3. Bare answers.  A completion with no box and no marker that is itself only
    an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
@@ -47,13 +48,17 @@ checked by ``tests/test_math_round2.py``.
    ``7 or 9``, ``2 \\lor 8``, ``20 (or 21)``, ``\\pm 5`` all get 0 against one of
    their values and 1 against the reference list.  Tuples and intervals are
    ordered and their brackets must match; sets are unordered and deduplicated.
+   A list whose items are all one value (``\\frac12 or 0.5``) is that value.
 5. Multiple choice [choice].  When the reference is an option letter (``C``,
    ``(C)``, ``\\text{(C)}``) the answer must name **exactly one** option and it
    must be that one.  Options are ``(X)`` or a lone capital letter (``C.``,
    ``C:``, ``C 7``); ``(A)(B)(C)(D)(E)``, ``(B) or (C)``, ``C. 7, D. 9`` and
-   "(C) is wrong, the answer is (D)" name several and get 0.
+   "(C) is wrong, the answer is (D)" name several and get 0.  A reference
+   that gives the option and its value (``\\textbf{(C) } 12``) accepts an answer
+   naming only that option, or, when the answer names no option, its value.
 6. Labels and chains [labelled, chained].  A label on the left -- a variable,
-   ``a_1``, a product of letters (``PQ``, ``g(x)``) or a tuple of them
+   ``a_1``, a product of letters (``PQ``, ``g(x)``, ``f^{-1}(x)``, ``\\angle ABC``,
+   ``\\overline{AB}``) or a tuple of them
    (``(m,n)``) -- is dropped when the other side has none: ``(m,n)=(4,1)``
    equals ``(4,1)``, ``PQ=6, RS=7`` equals ``6, 7`` *in that order* (labelled
    assignments vs a bare list are compared in order).  An equality chain gives
@@ -66,7 +71,8 @@ checked by ``tests/test_math_round2.py``.
    differ by the same positive factor (``-x > -3`` = ``x < 3``, ``2x-4 \\ge 0`` =
    ``x \\ge 2``; a negative factor flips the meaning and is refused).  A one-
    variable inequality equals the interval it defines (``1 \\le x < 5`` =
-   ``[1, 5)``; ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
+   ``[1, 5)``, ``2x - 4 \\ge 0`` = ``[2, \\infty)``, ``|x| \\le 2`` = ``[-2, 2]``,
+   ``|x-1| > 2`` and ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
 8. Number formats [number_format, repeating_decimal, percent_words,
    units_text].  Thousands separators ``,``, ``{,}``, ``\\,``, ``\\ `` and plain
    spaces (``2 500``) are dropped (groups of exactly three digits).  A decimal
@@ -78,7 +84,8 @@ checked by ``tests/test_math_round2.py``.
    number are dropped.
 9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
    ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
-   ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``.
+   ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``; a set-builder ``\\{x \\mid x > 2\\}`` is
+   its condition (so it equals ``(2, \\infty)``).
 10. Unicode [unicode].  Zero-width characters are dropped, ``x²`` is ``x^{2}``,
     ``½`` is ``\\frac{1}{2}`` (``2½`` = 5/2), ``−``, ``×``, ``π``, ``√``, ``≤`` ...
     become LaTeX, then NFKC folds full-width digits (``１２`` = 12).
