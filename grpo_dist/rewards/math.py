@@ -321,6 +321,7 @@ def _answer_parts(text: str):
 
 
 _DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
+_SEGMENT_RE = re.compile(r"\$\$([^$]+)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _UNIT_WORD_SET = None
 
 
@@ -343,7 +344,9 @@ def _bare_answer(text: str):
     One line of at most BARE_MAX_CHARS characters, either wholly inside one math
     delimiter pair, or with no prose: every run of letters outside LaTeX commands
     is at most 3 letters long, a math word or a unit -- or at most two words
-    and no digit (a text answer).  Prose such as "the answer is 42" is no answer.
+    and no digit (a text answer) -- or a sentence whose only math is one
+    delimited segment at its end ("The answer is $5$.").  Prose without math
+    markup such as "the answer is 42" is no answer.
     """
     t = text.strip()
     if not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t:
@@ -352,6 +355,11 @@ def _bare_answer(text: str):
     if m:
         inner = next(g for g in m.groups() if g is not None).strip()
         return inner if inner and "$" not in inner else None
+    segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
+    if (len(segs) == 1 and re.fullmatch(r"[\s.!]*", t[segs[0].end():])
+            and re.search(r"[A-Za-z]{2}", t[:segs[0].start()])):
+        inner = next(g for g in segs[0].groups() if g is not None).strip()
+        return inner or None
     if not _has_prose(t):
         return t
     if len(t.split()) <= 2 and not re.search(r"\d", t):
