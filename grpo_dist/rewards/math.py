@@ -510,6 +510,7 @@ def clean_answer(s: str) -> str:
     s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"(?<![A-Za-z\\])([A-Za-z])\s*(?:'|\^\s*\{?\s*\\prime\s*\}?)", r"\1_p", s)  # f'(x)
     s = _CHOOSE_RE.sub(r"\\binom{\1}{\2}", s)
     s = s.replace("\\%", "%")
     s = _PERCENT_WORD_RE.sub("%", s)
@@ -1027,6 +1028,14 @@ def _plain_number(s: str):
 @lru_cache(maxsize=8192)
 def is_equivalent(answer: str, reference: str) -> bool:
     """True when the answer string is mathematically equivalent to the reference string."""
+    try:
+        return _is_equivalent(answer, reference)
+    except (ArithmeticError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError):
+        return False
+
+
+def _is_equivalent(answer: str, reference: str) -> bool:
     if len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
         return False
     if _CTRL_RE.search(answer) or _CTRL_RE.search(reference):
