@@ -41,7 +41,10 @@ checked by ``tests/test_math_round2.py``.
 3. Bare answers.  A completion with no box and no marker that is itself only
    an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
    one math delimiter pair or without prose words -- is its own answer
-   (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
+   (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``); a one-line sentence whose only
+   math is one delimited segment at its end gives that segment ("The answer is
+   $5$." -> 5).  Prose without math markup ("The answer is 42.") and sentences
+   with several segments give no answer.
 4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
    ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
    list (unordered, same length) and **never equals a single value**:
