@@ -269,23 +269,33 @@ _TAIL_WORDS_RE = re.compile(
 )
 
 
+def _leading_segment(line: str):
+    """``$5$.`` / ``$5$. I hope it is correct.`` -> ``5``; None when more math follows (``$4$ or $5$``)."""
+    if not line.startswith("$"):
+        return None
+    body = line.lstrip("$")
+    q = body.find("$")
+    if q < 0:
+        return None
+    after = body[q:].lstrip("$").strip()
+    if after and after[0] not in ".!;":
+        return None
+    return body[:q].strip() or None
+
+
 def _phrase_answer(rest: str):
     """The answer stated right after a final-answer phrase (its first non-empty line)."""
     lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
     line = next((ln for ln in lines if ln), "")
     if not line:
         return None
-    if line.startswith("$"):
-        body = line.lstrip("$")
-        q = body.find("$")
-        if q >= 0:
-            return body[:q].strip() or None
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
     line = _LEAD_RE.sub("", line, count=1) if _LEAD_RE.match(line) else line
-    if line.startswith("$"):
-        body = line.lstrip("$")
-        q = body.find("$")
-        if q >= 0:
-            return body[:q].strip() or None
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
     m = re.match(r"(.*?)(?:\.\s|\.$|$)", line)
     ans = m.group(1).strip() if m else line
     ans = _FILLER_RE.sub("", ans)
@@ -508,7 +518,8 @@ def clean_answer(s: str) -> str:
     s = s.replace("\\\\", "\x01")  # protect LaTeX row separators
     s = s.replace("{,}", ",")
     s = re.sub(r",\\!\s*", ",", s)
-    s = re.sub(r"\\[,;:!]", "", s)
+    s = re.sub(r"\\[,!]", "", s)  # thin spaces: thousands separators (12\\,345)
+    s = re.sub(r"\\[;:]", " ", s)
     s = re.sub(r"\\ |\\q?quad(?![A-Za-z])|~", " ", s)
     s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
