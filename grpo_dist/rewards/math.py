@@ -310,13 +310,30 @@ def _gradeable(ans: str) -> bool:
     return bool(re.search(r"[\d\\]", ans)) and not _has_prose(ans)
 
 
+MAX_PHRASES = 16           # final-answer phrases looked at (the last ones)
+
+
+def _phrase_matches(text: str, start: int) -> list:
+    """The last MAX_PHRASES final-answer phrases after ``start`` (found via "answer", in C)."""
+    low = text.lower()
+    out = []
+    end = len(text)
+    for _ in range(MAX_PHRASES):
+        p = low.rfind("answer", start, end)
+        if p < 0:
+            break
+        end = p
+        m = _PHRASE_RE.search(text, max(start, p - 24), min(len(text), p + 48))
+        if m and m.start() <= p < m.end():
+            out.append(m)
+    return out
+
+
 def _answer_parts(text: str):
     """The final answer of a completion as a list of strings (several for a box group)."""
     spans = _box_spans(text)
     box_pos = spans[-1][0] if spans else -1
-    later = []  # (position, kind, match) of phrases after the last box
-    for m in _PHRASE_RE.finditer(text, max(box_pos, 0)):
-        later.append((m.start(), "phrase", m))
+    later = [(m.start(), "phrase", m) for m in _phrase_matches(text, max(box_pos, 0))]
     p = text.rfind("####")
     if p > box_pos:
         later.append((p, "hash", None))
