@@ -121,8 +121,8 @@ def _math_verify_subprocess(python: str, path: str) -> tuple:
     return res["grades"], res["latency_s"]
 
 
-def bench_labelled(grader: str, path: str, per_category: bool = False, mv_python: str = None,
-                   grades_out: str = None, quiet: bool = False) -> None:
+def bench_labelled(grader: str, path: str, per_category: bool = False, mv_python: str | None = None,
+                   grades_out: str | None = None, quiet: bool = False) -> None:
     cases = load_jsonl(path)
     gots, lat = grade_all(grader, cases)
     if grades_out:
