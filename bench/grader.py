@@ -3,10 +3,16 @@
     python bench/grader.py --grader ours                # labelled set + hostile set
     python bench/grader.py --grader math-verify         # needs: pip install math-verify
     python bench/grader.py --grader ours --throughput   # RewardComputer completions/s
+    python bench/grader.py --cases tests/data/math_cases_round2.jsonl --skip-hostile \
+        --math-verify-python /tmp/mv-venv/bin/python    # ours and math-verify, per category
 
-Labelled set (JSON lines: completion, reference, label, category): each item is
-graded in-process and timed; prints accuracy, false positives (graded 1, label
-0), false negatives, p50/p99/max latency and the misses per category.
+Labelled set (JSON lines: completion, reference, label or expected, category):
+each item is graded in-process and timed; prints accuracy, false positives
+(graded 1, label 0), false negatives, p50/p99/max latency and the misses per
+category.  --per-category adds a table of size / accuracy / false positives per
+category.  --math-verify-python PY grades the same pairs with math-verify in a
+subprocess run by PY (a separate venv that has math-verify installed, so it is
+never a dependency of this project) and prints both graders side by side.
 
 Hostile set (JSON lines: name, reference, completion or parts=[[text, count]];
 "{MARKER}" is replaced by a path in a fresh temporary directory): each item is
@@ -68,11 +74,15 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def bench_labelled(grader: str, path: str) -> None:
+def _label(c: dict) -> int:
+    return int(c["label"] if "label" in c else c["expected"])
+
+
+def grade_all(grader: str, cases: list) -> tuple:
+    """(grades, latencies in s) of one grader on every case, in-process."""
     fn = _function(grader)
-    cases = load_jsonl(path)
     fn(cases[0]["completion"], cases[0]["reference"])  # warm-up (imports, caches)
-    lat, fp, fn_, miss = [], 0, 0, Counter()
+    got, lat = [], []
     for c in cases:
         t = time.perf_counter()
         try:
@@ -80,15 +90,76 @@ def bench_labelled(grader: str, path: str) -> None:
         except Exception:  # noqa: BLE001 - a crash counts as 0.0
             v = 0.0
         lat.append(time.perf_counter() - t)
-        got = 1 if v == 1.0 else 0
-        if got != c["label"]:
+        got.append(1 if v == 1.0 else 0)
+    return got, lat
+
+
+def _category_table(cases: list, columns: dict) -> None:
+    cats = sorted({c.get("category", "?") for c in cases})
+    head = f"  {'category':<18}{'n':>5}{'pos':>5}" + "".join(f"{name + ' acc':>16}{'FP':>5}" for name in columns)
+    print(head)
+    rows = cats + ["ALL"]
+    for cat in rows:
+        idx = [k for k, c in enumerate(cases) if cat == "ALL" or c.get("category", "?") == cat]
+        line = f"  {cat:<18}{len(idx):>5}{sum(_label(cases[k]) for k in idx):>5}"
+        for got in columns.values():
+            ok = sum(got[k] == _label(cases[k]) for k in idx)
+            fp = sum(got[k] == 1 and _label(cases[k]) == 0 for k in idx)
+            line += f"{100.0 * ok / len(idx):>15.1f}%{fp:>5}"
+        print(line)
+
+
+def _math_verify_subprocess(python: str, path: str) -> tuple:
+    import subprocess
+    out = tempfile.mktemp(suffix=".json", prefix="mv_grades_")
+    cmd = [python, os.path.abspath(__file__), "--grader", "math-verify", "--cases", path,
+           "--skip-hostile", "--quiet", "--grades-out", out]
+    subprocess.run(cmd, check=True)
+    with open(out, encoding="utf-8") as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res["grades"], res["latency_s"]
+
+
+def bench_labelled(grader: str, path: str, per_category: bool = False, mv_python: str | None = None,
+                   grades_out: str | None = None, quiet: bool = False) -> None:
+    cases = load_jsonl(path)
+    gots, lat = grade_all(grader, cases)
+    if grades_out:
+        with open(grades_out, "w", encoding="utf-8") as f:
+            json.dump({"grades": gots, "latency_s": lat}, f)
+    if quiet:
+        return
+    columns = {grader: gots}
+    if mv_python:
+        mv_got, mv_lat = _math_verify_subprocess(mv_python, path)
+        columns["math-verify"] = mv_got
+    _report(grader, path, cases, gots, lat)
+    if mv_python:
+        _report("math-verify", path, cases, mv_got, mv_lat)
+    if per_category or mv_python:
+        _category_table(cases, columns)
+    if mv_python:
+        worse = [k for k in range(len(cases)) if gots[k] != _label(cases[k]) and mv_got[k] == _label(cases[k])]
+        if worse:
+            print(f"  cases math-verify gets right and {grader} does not: {len(worse)}")
+            for k in worse:
+                c = cases[k]
+                print(f"    [{c.get('category', '?')}] ref={c['reference']!r} label={_label(c)} "
+                      f"completion={c['completion'][-80:]!r}")
+
+
+def _report(grader: str, path: str, cases: list, gots: list, lat: list) -> None:
+    fp, fn_, miss = 0, 0, Counter()
+    for c, got in zip(cases, gots):
+        if got != _label(c):
             miss[c.get("category", "?")] += 1
             if got:
                 fp += 1
             else:
                 fn_ += 1
     n = len(cases)
-    print(f"[{grader}] labelled set {os.path.relpath(path, ROOT)}: {n} cases ({sum(c['label'] for c in cases)} positive)")
+    print(f"[{grader}] labelled set {os.path.relpath(path, ROOT)}: {n} cases ({sum(_label(c) for c in cases)} positive)")
     print(f"  accuracy {100.0 * (n - fp - fn_) / n:.1f}%  false positives {fp}  false negatives {fn_}")
     print(f"  latency p50 {1e3 * statistics.median(lat):.2f} ms  p99 {1e3 * pct(lat, 0.99):.2f} ms  max {1e3 * max(lat):.2f} ms")
     if miss:
@@ -170,12 +241,18 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-labelled", action="store_true")
     ap.add_argument("--skip-hostile", action="store_true")
     ap.add_argument("--throughput", action="store_true", help="also measure batch throughput")
+    ap.add_argument("--per-category", action="store_true", help="table of accuracy / FP per category")
+    ap.add_argument("--math-verify-python", default=None,
+                    help="python of a separate venv with math-verify==0.9.0: grade the same pairs with it")
+    ap.add_argument("--grades-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--gsm8k", default="/work/shared/data/gsm8k/test.jsonl")
     ap.add_argument("--limit", type=int, default=1319, help="GSM8K references used for throughput")
     args = ap.parse_args(argv)
     if not args.skip_labelled:
-        bench_labelled(args.grader, args.cases)
+        bench_labelled(args.grader, args.cases, args.per_category, args.math_verify_python,
+                       args.grades_out, args.quiet)
     if not args.skip_hostile:
         bench_hostile(args.grader, args.hostile, args.hostile_timeout)
     if args.throughput:

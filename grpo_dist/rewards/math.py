@@ -3,20 +3,108 @@
 Public API
 ----------
 ``extract_answer(text) -> str | None``
-    The final answer of a completion: the content of the last ``\\boxed{...}`` /
-    ``\\fbox{...}`` (nested braces), else the last GSM8K ``#### n`` line, else the
-    last "the final answer is ..." phrase; ``None`` when there is none.
+    The final answer of a completion (rules 1-3 below); ``None`` when there is none.
 
 ``math_reward(completion, reference) -> float``
     1.0 when the extracted answer is mathematically equivalent to the reference,
     else 0.0.  Never raises.
 
+``is_equivalent(answer, reference) -> bool`` and ``last_boxed(text)`` (the content
+of the last box, used by the data loader for references) are public too.
+
+Grading rules
+-------------
+A grader that pays for hedging teaches the policy to hedge, so every rule below
+says both what is accepted and what is refused.  Each rule has pass and fail
+cases in ``tests/data/math_cases_round2.jsonl`` (the category in brackets),
+checked by ``tests/test_math_round2.py``.
+
+1. Which box counts [boxed_list, hedge].  The answer is the *last* ``\\boxed{}``
+   / ``\\fbox{}`` together with the boxes chained to it: a box belongs to the
+   group when the text between it and the next box of the group is at most
+   MAX_GAP_CHARS characters of punctuation, ``$``, labels (``x =``, ``(b)``) and
+   the joining words in ``_GAP_WORDS`` (and, or, maybe, possibly,
+   alternatively, ...).  A group of several boxes is **one list answer**
+   (boxes holding equivalent values count once): ``\\boxed{-4} and \\boxed{2}``
+   equals the reference ``-4, 2`` but never ``2``.  An earlier box separated by
+   other words ("then", a paragraph of work) is not part of the answer: the
+   later box replaces it.  Only the last MAX_BOXES boxes are looked at.
+2. Final-answer phrases [final_phrase].  ``Final answer: ...`` / ``final
+   answer is ...`` / ``answer: ...`` / ``The answer is: ...`` (a colon is
+   required after a bare "answer is"; prose such as "the answer is 42" is not a
+   marker) and a GSM8K ``#### n`` line.  The marker that comes *last* in the
+   text wins: a phrase after the last box replaces the box, provided its answer
+   is math (a digit or a LaTeX command, and no prose word of 4+ letters other
+   than math words and units) or an option letter, so "the answer is: correct"
+   or "verify the answer: substitute x = 3 ..." after a box does not.  The phrase answer is the first ``$...$`` or
+   the sentence up to its full stop; "The smallest $k$ is 12" gives ``12``.
+3. Bare answers.  A completion with no box and no marker that is itself only
+   an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
+   one math delimiter pair or without prose words -- is its own answer
+   (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``); a one-line sentence whose only
+   math is one delimited segment at its end gives that segment ("The answer is
+   $5$." -> 5).  Prose without math markup ("The answer is 42.") and sentences
+   with several segments give no answer.
+4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
+   ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
+   list (unordered, same length) and **never equals a single value**:
+   ``7 or 9``, ``2 \\lor 8``, ``20 (or 21)``, ``\\pm 5`` all get 0 against one of
+   their values and 1 against the reference list.  Tuples and intervals are
+   ordered and their brackets must match; sets are unordered and deduplicated.
+   A list whose items are all one value (``\\frac12 or 0.5``) is that value.
+5. Multiple choice [choice].  When the reference is an option letter (``C``,
+   ``(C)``, ``\\text{(C)}``) the answer must name **exactly one** option and it
+   must be that one.  Options are ``(X)`` or a lone capital letter (``C.``,
+   ``C:``, ``C 7``); ``(A)(B)(C)(D)(E)``, ``(B) or (C)``, ``C. 7, D. 9`` and
+   "(C) is wrong, the answer is (D)" name several and get 0.  A reference
+   that gives the option and its value (``\\textbf{(C) } 12``) accepts an answer
+   naming only that option, or, when the answer names no option, its value.
+6. Labels and chains [labelled, chained].  A label on the left -- a variable,
+   ``a_1``, a product of letters (``PQ``, ``g(x)``, ``f^{-1}(x)``, ``\\angle ABC``,
+   ``\\overline{AB}``) or a tuple of them
+   (``(m,n)``) -- is dropped when the other side has none: ``(m,n)=(4,1)``
+   equals ``(4,1)``, ``PQ=6, RS=7`` equals ``6, 7`` *in that order* (labelled
+   assignments vs a bare list are compared in order).  An equality chain gives
+   its last part (``y = 3+4+2 = 9`` -> 9) and ``\\approx`` gives the exact part
+   before it (``\\frac18 \\approx 0.125`` -> 1/8).  A chain whose constant parts
+   disagree (``3+4 = 8``, ``5 = 7``) or whose approximation is off by more than
+   APPROX_REL_TOL equals nothing.  ``x+y=5`` is an equation, not a label.
+7. Inequalities [inequality].  Chains are read in < direction (``5 > x > 1``
+   is ``1 < x < 5``); two one-relation inequalities are equal when their sides
+   differ by the same positive factor (``-x > -3`` = ``x < 3``, ``2x-4 \\ge 0`` =
+   ``x \\ge 2``; a negative factor flips the meaning and is refused).  A one-
+   variable inequality equals the interval it defines (``1 \\le x < 5`` =
+   ``[1, 5)``, ``2x - 4 \\ge 0`` = ``[2, \\infty)``, ``|x| \\le 2`` = ``[-2, 2]``,
+   ``|x-1| > 2`` and ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
+8. Number formats [number_format, repeating_decimal, percent_words,
+   units_text].  Thousands separators ``,``, ``{,}``, ``\\,``, ``\\ `` and plain
+   spaces (``2 500``) are dropped (groups of exactly three digits).  A decimal
+   comma (``3,5``, ``0,75``) is read as a decimal point only when the other side
+   is a single value (has no comma) -- ``1,500`` is always fifteen hundred.
+   ``0.\\overline{6}`` / ``0.8\\overline{3}`` / ``0.(6)`` are the exact fractions.
+   ``35 percent`` / ``35 pct`` are ``35\\%`` (which matches ``35`` and ``0.35``).
+   Units in ``\\text``/``\\textnormal``/``\\mathrm`` and common unit words after a
+   number are dropped.
+9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
+   ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
+   ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``; a set-builder ``\\{x \\mid x > 2\\}`` is
+   its condition (so it equals ``(2, \\infty)``).
+10. Unicode [unicode].  Zero-width characters are dropped, ``x²`` is ``x^{2}``,
+    ``½`` is ``\\frac{1}{2}`` (``2½`` = 5/2), ``−``, ``×``, ``π``, ``√``, ``≤`` ...
+    become LaTeX, then NFKC folds full-width digits (``１２`` = 12).
+11. Size guards [size_guard].  Every guard of :mod:`grpo_dist.rewards.parser`
+    stays (input length, token count, nesting, number size checked *before* a
+    power / factorial / product is built, bounded numeric evaluation), with
+    limits that let moderate exact arithmetic through: integers up to 2^17 bits
+    (``2^{2^{2^{2^2}}}`` = ``2^{65536}``), 48 bracket levels, 1000 tokens (sums
+    of a few hundred terms, built in one ``Add``).  Anything larger is refused
+    and graded 0 in milliseconds (``10^{10^{10}}``).
+
 How equivalence is decided
 --------------------------
 Both sides are cleaned (``$``, ``\\left``/``\\right``, spacing macros, ``\\text``
-units, degrees, thousands separators, a trailing period ...) and parsed by the
-restricted parser in :mod:`grpo_dist.rewards.parser` (no ``eval``/``sympify``).
-Then:
+units, degrees, separators, a trailing period ...) and parsed by the restricted
+parser in :mod:`grpo_dist.rewards.parser` (no ``eval``/``sympify``).  Then:
 
 * plain numbers are compared as exact fractions;
 * constant expressions are compared exactly (sympy's automatic simplification)
@@ -26,11 +114,9 @@ Then:
 * expressions with variables are compared by evaluating both at several fixed
   generic points (a randomised identity test; no ``simplify``, so it is bounded);
 * equations compare their right-hand sides when the left side is the same
-  variable (``x = 5`` vs ``5``), else ``lhs - rhs`` up to a constant factor;
-* tuples and intervals are ordered and their brackets must match; sets, unions
-  and top-level comma lists are unordered; matrices compare element-wise;
-* percent answers match both ``p`` and ``p/100``; multiple-choice letters match
-  ``(B)``, ``\\text{(B)}`` and ``B``; text answers compare case-insensitively.
+  label (``x = 5`` vs ``5``), else ``lhs - rhs`` up to a constant factor;
+* matrices compare element-wise; percent answers match both ``p`` and
+  ``p/100``; text answers compare case-insensitively.
 
 Decimal tolerance rule
 ----------------------
@@ -46,6 +132,7 @@ Integers never get a tolerance (``6366`` is not ``20000/\\pi``).
 from __future__ import annotations
 
 import re
+import unicodedata
 from fractions import Fraction
 from functools import lru_cache
 
@@ -68,103 +155,280 @@ MAX_ITEMS = 64             # answers in a list / set / tuple / matrix
 # --------------------------------------------------------------------------- extraction
 _BOX_NAMES = ("\\boxed", "\\fbox")
 _CTRL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+MAX_BOXES = 8              # boxes looked at (the last ones); more are never an answer group
+MAX_GAP_CHARS = 80         # longest text between two boxes of one answer group
+BARE_MAX_CHARS = 120       # longest completion read as a bare answer (no box, no phrase)
+_BRACE_TOK_RE = re.compile(r"\\.|[{}]", re.S)
 
 
 def _brace_content(text: str, start: int):
     """Content of the brace group opening at text[start] == '{' (or None)."""
+    content, _ = _brace_span(text, start, len(text))
+    return content
+
+
+def _brace_span(text: str, start: int, limit: int):
+    """(content, end) of the brace group at text[start] == '{'; (None, None) if unclosed.
+
+    Only the next ``limit`` characters are scanned: a longer group is returned
+    truncated to limit + 1 characters (too long for is_equivalent, so it grades 0).
+    """
     depth = 0
-    i, n = start, len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
+    stop = min(len(text), start + limit + 2)
+    for m in _BRACE_TOK_RE.finditer(text, start, stop):
+        c = m.group(0)
         if c == "{":
             depth += 1
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[start + 1:i]
-        i += 1
-    return None
+                return text[start + 1:m.start()], m.end()
+    if stop < len(text):
+        return text[start + 1:stop], stop
+    return None, None
 
 
 def last_boxed(text: str):
     """Content of the last \\boxed{...} / \\fbox{...} (nested braces), or of `\\boxed 5`; None if absent."""
-    positions = []
+    spans = _box_spans(text)
+    return spans[-1][2] if spans else None
+
+
+def _box_spans(text: str) -> list:
+    """(start, end, content) of the last MAX_BOXES outermost boxes, in text order."""
+    starts = set()
     for name in _BOX_NAMES:
         end = len(text)
-        for _ in range(3):  # the last few occurrences of each name
+        for _ in range(2 * MAX_BOXES):
             p = text.rfind(name, 0, end)
             if p < 0:
                 break
-            positions.append((p, name))
+            starts.add((p, name))
             end = p
-    for p, name in sorted(positions, reverse=True)[:3]:
+    spans = []
+    for p, name in sorted(starts)[-2 * MAX_BOXES:]:
         j = p + len(name)
         if j < len(text) and text[j].isalpha():  # \boxedfoo is another macro
             continue
         while j < len(text) and text[j] in " \t":
             j += 1
         if j < len(text) and text[j] == "{":
-            content = _brace_content(text, j)
-            if content is not None:
-                return content
+            content, stop = _brace_span(text, j, 2 * MAX_ANSWER_CHARS)
+            if content is None:
+                continue
+            spans.append((p, stop, content))
         elif j > p + len(name):  # "\boxed 5"
             m = re.match(r"[^\s$]+", text[j:j + 200])
             if m:
-                return m.group(0)
-    return None
+                spans.append((p, j + m.end(), m.group(0)))
+    outer = [s for s in spans if not any(o[0] < s[0] and s[1] <= o[1] for o in spans)]
+    return outer[-MAX_BOXES:]
 
 
-_FINAL_RE = re.compile(r"final answer\s*(?:is|:)\s*:?\s*", re.I)
+_GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+_GAP_NOISE_RE = re.compile(
+    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
+    r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
+)
+# words that join boxes into one answer (a list, or a hedge between alternatives)
+_GAP_WORDS = {"and", "or", "maybe", "possibly", "perhaps", "alternatively", "either", "also",
+              "otherwise", "nor", "both", "plus", "as", "well", "else", "respectively"}
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion, or None (see module docstring)."""
-    if not isinstance(text, str) or not text:
+def _connective(gap: str) -> bool:
+    """True when two boxes are joined only by punctuation, labels or and/or-like words."""
+    if len(gap) > MAX_GAP_CHARS:
+        return False
+    g = _GAP_WRAP_RE.sub(r" \1 ", gap)
+    g = _GAP_NOISE_RE.sub(" ", g)
+    words = re.findall(r"[A-Za-z]+", g)
+    if any(w.lower() not in _GAP_WORDS for w in words):
+        return False
+    return re.fullmatch(r"[\sA-Za-z,;.:$&()*/\-]*", g) is not None
+
+
+def _box_group(text: str, spans: list) -> list:
+    """Contents of the final answer group: the last box and the boxes chained to it."""
+    group = [spans[-1]]
+    for prev in reversed(spans[:-1]):
+        if not _connective(text[prev[1]:group[0][0]]):
+            break
+        group.insert(0, prev)
+    return [c.strip() for _, _, c in group]
+
+
+_PHRASE_RE = re.compile(
+    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:)[\s*_]*:?\s*", re.I)
+_LEAD_RE = re.compile(
+    r"(?i)(?:the|so|thus|hence|therefore|it|this|that|our|we|a|an|my)\b[^=]{0,80}?\s"
+    r"(?:is|are|equals|was|be|gives|get)\s*:?\s+(?=\S)"
+)
+_FILLER_RE = re.compile(r"(?i)^(?:therefore|thus|then|clearly|simply|just|exactly|equal\s+to|given\s+by)\s+")
+_TAIL_WORDS_RE = re.compile(
+    r"(?i)[\s,]+(?:because|since|as|which|where|when|so|for|if|but|i\s+hope|hence|thus|after)\b.*$"
+)
+
+
+def _leading_segment(line: str):
+    """``$5$.`` / ``$5$. I hope it is correct.`` -> ``5``; None when more math follows (``$4$ or $5$``)."""
+    if not line.startswith("$"):
         return None
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    p = text.rfind("####")
-    if p >= 0:
-        line = text[p + 4:].split("\n", 1)[0].strip()
-        if line:
-            return line
-    low = text.lower()
-    p = low.rfind("final answer")
-    while p >= 0:
-        m = _FINAL_RE.match(text, p)
-        if m:
-            rest = text[m.end():m.end() + MAX_ANSWER_CHARS + 10]
-            ans = _phrase_answer(rest)
-            if ans:
-                return ans
-        p = low.rfind("final answer", 0, p)
-    return None
+    body = line.lstrip("$")
+    q = body.find("$")
+    if q < 0:
+        return None
+    after = body[q:].lstrip("$").strip()
+    if after and after[0] not in ".!;":
+        return None
+    return body[:q].strip() or None
 
 
 def _phrase_answer(rest: str):
-    rest = rest.split("\n", 1)[0].strip()
-    if rest.startswith("$"):
-        body = rest.lstrip("$")
-        q = body.find("$")
-        if q >= 0:
-            return body[:q].strip() or None
-    m = re.match(r"(.*?)(?:\.\s|\.$|$)", rest)
-    ans = m.group(1).strip() if m else rest
+    """The answer stated right after a final-answer phrase (its first non-empty line)."""
+    lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
+    line = next((ln for ln in lines if ln), "")
+    if not line:
+        return None
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
+    line = _LEAD_RE.sub("", line, count=1) if _LEAD_RE.match(line) else line
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
+    m = re.match(r"(.*?)(?:\.\s|\.$|$)", line)
+    ans = m.group(1).strip() if m else line
+    ans = _FILLER_RE.sub("", ans)
+    ans = _TAIL_WORDS_RE.sub("", ans)
     return ans.strip("$ ") or None
 
 
+def _gradeable(ans: str) -> bool:
+    """A phrase answer that may override an earlier box: math or a choice, not prose."""
+    if re.fullmatch(r"\(?[A-Z]\)?", ans):
+        return True
+    return bool(re.search(r"[\d\\]", ans)) and not _has_prose(ans)
+
+
+MAX_PHRASES = 16           # final-answer phrases looked at (the last ones)
+
+
+def _phrase_matches(text: str, start: int) -> list:
+    """The last MAX_PHRASES final-answer phrases after ``start`` (found via "answer", in C)."""
+    low = text.lower()
+    out = []
+    end = len(text)
+    for _ in range(MAX_PHRASES):
+        p = low.rfind("answer", start, end)
+        if p < 0:
+            break
+        end = p
+        m = _PHRASE_RE.search(text, max(start, p - 24), min(len(text), p + 48))
+        if m and m.start() <= p < m.end():
+            out.append(m)
+    return out
+
+
+def _answer_parts(text: str):
+    """The final answer of a completion as a list of strings (several for a box group)."""
+    spans = _box_spans(text)
+    box_pos = spans[-1][0] if spans else -1
+    later = [(m.start(), "phrase", m) for m in _phrase_matches(text, max(box_pos, 0))]
+    p = text.rfind("####")
+    if p > box_pos:
+        later.append((p, "hash", None))
+    for pos, kind, m in sorted(later, key=lambda t: t[0], reverse=True):
+        if kind == "hash":
+            ans = text[pos + 4:].split("\n", 1)[0].strip()
+        else:
+            ans = _phrase_answer(text[m.end():m.end() + MAX_ANSWER_CHARS + 10])
+        if ans and (box_pos < 0 or _gradeable(ans)):
+            return [ans]
+    if spans:
+        return _box_group(text, spans)
+    bare = _bare_answer(text)
+    return [bare] if bare else None
+
+
+_DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
+_SEGMENT_RE = re.compile(r"\$\$([^$]+)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
+_UNIT_WORD_SET = None
+
+
+def _has_prose(t: str) -> bool:
+    """A run of 4+ letters outside LaTeX commands that is neither a math word nor a unit."""
+    global _UNIT_WORD_SET
+    if _UNIT_WORD_SET is None:
+        _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", _UNIT_WORDS)}
+    bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
+    for w in re.findall(r"[A-Za-z]+", bare):
+        lw = w.lower()
+        if len(w) > 3 and lw not in _MATH_WORDS and lw not in _UNIT_WORD_SET and lw.rstrip("s") not in _UNIT_WORD_SET:
+            return True
+    return False
+
+
+def _bare_answer(text: str):
+    """A completion that is nothing but an answer (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
+
+    One line of at most BARE_MAX_CHARS characters, either wholly inside one math
+    delimiter pair, or with no prose: every run of letters outside LaTeX commands
+    is at most 3 letters long, a math word or a unit -- or at most two words
+    and no digit (a text answer) -- or a sentence whose only math is one
+    delimited segment at its end ("The answer is $5$.").  Prose without math
+    markup such as "the answer is 42" is no answer.
+    """
+    t = text.strip()
+    if not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t:
+        return None
+    m = _DELIMITED_RE.fullmatch(t)
+    if m:
+        inner = next(g for g in m.groups() if g is not None).strip()
+        return inner if inner and "$" not in inner else None
+    segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
+    if (len(segs) == 1 and re.fullmatch(r"[\s.!]*", t[segs[0].end():])
+            and re.search(r"[A-Za-z]{2}", t[:segs[0].start()])):
+        inner = next(g for g in segs[0].groups() if g is not None).strip()
+        return inner or None
+    if not _has_prose(t):
+        return t
+    if len(t.split()) <= 2 and not re.search(r"\d", t):
+        return t
+    return None
+
+
+def _dedupe_answers(parts: list) -> list:
+    out = []
+    for a in parts:
+        if not a:
+            continue
+        if not any(a == b or is_equivalent(a, b) for b in out):
+            out.append(a)
+    return out
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion, or None (see module docstring).
+
+    A group of several boxes is returned as one comma-separated list (boxes
+    holding equivalent values are kept once).
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    text = normalize_unicode(text)
+    parts = _answer_parts(text)
+    if not parts:
+        return None
+    parts = _dedupe_answers(parts) if len(parts) > 1 else parts
+    return ", ".join(parts) if parts else None
+
+
 def _reference_answer(reference: str) -> str:
-    if "\\boxed" in reference or "\\fbox" in reference:
-        b = last_boxed(reference)
-        if b is not None:
-            return b.strip()
-    p = reference.rfind("####")
-    if p >= 0:
-        return reference[p + 4:].strip()
+    reference = normalize_unicode(reference)
+    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference:
+        ans = extract_answer(reference)
+        if ans is not None:
+            return ans.strip()
     return reference.strip()
 
 
@@ -172,15 +436,44 @@ def _reference_answer(reference: str) -> str:
 _UNICODE = [
     ("\u2212", "-"), ("\u2013", "-"), ("\u00d7", "*"), ("\u22c5", "*"), ("\u00b7", "*"),
     ("\u00f7", "/"), ("\u03c0", "\\pi "), ("\u221e", "\\infty "), ("\u221a", "\\sqrt"),
-    ("\u2264", "\\le "), ("\u2265", "\\ge "), ("\u2260", "\\ne "), ("\u00b0", ""),
+    ("\u2264", "\\le "), ("\u2265", "\\ge "), ("\u2260", "\\ne "), ("\u00b0", "^\\circ "),
     ("\u222a", "\\cup "), ("\u00a0", " "), ("\u2009", " "), ("\u202f", " "),
+    ("\u211d", "\\mathbb{R}"), ("\u2248", "\\approx "), ("\u2228", "\\lor "), ("\u2044", "/"),
 ]
-_WRAPPERS = r"(?:text|textbf|textit|textrm|textsf|texttt|mbox|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|bm|operatorname|emph|hbox)"
+_ZERO_WIDTH_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00ad]")
+_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b\u207a"
+_SUP_RE = re.compile("[" + _SUPERSCRIPTS + "]+")
+_SUP_MAP = str.maketrans(_SUPERSCRIPTS, "0123456789-+")
+_VULGAR_RE = re.compile("[\u00bc-\u00be\u2150-\u215e]")
+
+
+def normalize_unicode(s: str) -> str:
+    """Unicode answers to ASCII LaTeX: superscripts, vulgar fractions, math symbols, NFKC.
+
+    Zero-width characters are dropped, ``x²`` becomes ``x^{2}``, ``½`` becomes
+    ``\\frac{1}{2}`` (so ``2½`` is the mixed number 5/2), then NFKC folds
+    full-width digits and letters to ASCII.  ASCII text is returned unchanged.
+    """
+    if s.isascii():
+        return s
+    s = _ZERO_WIDTH_RE.sub("", s)
+    s = _SUP_RE.sub(lambda m: "^{" + m.group(0).translate(_SUP_MAP) + "}", s)
+    s = _VULGAR_RE.sub(lambda m: "\\frac{%s}{%s}" % tuple(
+        unicodedata.normalize("NFKC", m.group(0)).split("\u2044")), s)
+    for a, b in _UNICODE:
+        if a in s:
+            s = s.replace(a, b)
+    s = unicodedata.normalize("NFKC", s)
+    return s.replace("\u2044", "/")
+
+
+_WRAPPERS = (r"(?:text|textbf|textit|textrm|textsf|texttt|textnormal|textup|mbox|mathrm|mathbf|mathit|"
+             r"mathsf|mathtt|mathnormal|boldsymbol|bm|operatorname|emph|hbox)")
 _UNIT_WORDS = (
     "cm|mm|km|m|meters?|metres?|centimeters?|millimeters?|kilometers?|inch|inches|in|feet|foot|ft|"
     "yards?|yd|miles?|mi|units?|square units|sq units|degrees?|deg|radians?|rad|cents?|dollars?|"
     "hours?|hrs?|h|minutes?|mins?|seconds?|secs?|s|days?|weeks?|months?|years?|kg|g|grams?|"
-    "kilograms?|pounds?|lbs?|oz|ounces?|liters?|litres?|l|ml|gallons?|mph|km/h|m/s|percent|"
+    "kilograms?|pounds?|lbs?|oz|ounces?|liters?|litres?|l|ml|gallons?|mph|km/h|m/s|"
     "people|students|apples|times|ways|points|marbles|books|pages|cookies|pieces"
 )
 _UNIT_TAIL_RE = re.compile(
@@ -190,17 +483,40 @@ _UNIT_TAIL_RE = re.compile(
 _TEXT_UNIT_RE = re.compile(
     r"(?<=[\d}).])\s*\\" + _WRAPPERS + r"\s*\{\s*(?:[A-Za-z][A-Za-z .]+|[mgsLh])\s*\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?"
 )
+_PERCENT_WORD_RE = re.compile(
+    r"(?<=[\d}.])\s*(?:\\" + _WRAPPERS + r"\s*\{\s*(?:percent|per\s*cent|pct)\.?\s*\}|"
+    r"(?:percent|per\s*cent|pct)\.?(?![A-Za-z]))", re.I)
 _TEXT_CONNECT_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{\s*(?:and|or|,)\s*\}")
 _UNWRAP_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{([^{}]*)\}")
-_THOUSANDS_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])(?!\.\d*,)")
+_THOUSANDS_RE = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:,\d{3})+(?![\d])(?!\.\d*,)")
+_SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])[1-9]\d{0,2}(?: \d{3})+(?![\d/])")
+_REPEATING_RE = re.compile(r"(\d*)\.(\d*)(?:\\overline\s*(?:\{\s*(\d{1,40})\s*\}|(\d))|\((\d{1,40})\))")
+_REALS_RE = re.compile(r"\\mathbb\s*(?:\{\s*R\s*\}|R)")
+_REALS_TEXT_RE = re.compile(r"(?i)(?:the\s+set\s+of\s+)?(?:all\s+)?real(?:\s+numbers|s)")
+_TRIG_DEG_RE = re.compile(  # sin 30^\circ: a trig argument in degrees
+    r"(\\(?:sin|cos|tan|cot|sec|csc)\s*\(?\s*)(\d+(?:\.\d+)?)\s*(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree)")
+_ANSWER_IS_RE = re.compile(r"(?i)^(?:so\s+|thus\s+|hence\s+)?(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(?=\S)")
+_SET_BUILDER_RE = re.compile(
+    r"\\\{\s*[A-Za-z](?:\s*\\in\s*\\mathbb\s*\{?\s*R\s*\}?)?\s*(?:\\mid|\||:)\s*(.+?)\s*\\\}")
+_CHOOSE_RE = re.compile(r"\{\s*([^{}]+?)\s*\\choose\s*([^{}]+?)\s*\}")
+_OR_PAREN_RE = re.compile(r"\(\s*or\s+([^()]*)\)")
+
+
+def _repeating(m) -> str:
+    """``0.8\\overline{3}`` -> ``\\frac{5}{6}`` (exact, so no decimal tolerance applies)."""
+    ip, nonrep = m.group(1) or "0", m.group(2)
+    rep = m.group(3) or m.group(4) or m.group(5)
+    k, n = len(rep), len(nonrep)
+    num = int(ip + nonrep + rep) - int(ip + nonrep)
+    val = Fraction(num, 10 ** n * (10 ** k - 1))
+    return f"\\frac{{{val.numerator}}}{{{val.denominator}}}" if val.denominator != 1 else str(val.numerator)
 
 
 def _strip_thousands(s: str) -> str:
     out, last = [], 0
     for m in _THOUSANDS_RE.finditer(s):
         prefix = s[:m.start()]
-        depth = sum(prefix.count(c) for c in "([") - sum(prefix.count(c) for c in ")]")
-        depth += prefix.count("\\{") - prefix.count("\\}")
+        depth = sum(prefix.count(c) for c in "([{") - sum(prefix.count(c) for c in ")]}")
         if depth > 0:
             continue
         out.append(s[last:m.start()])
@@ -212,20 +528,23 @@ def _strip_thousands(s: str) -> str:
 
 def clean_answer(s: str) -> str:
     """Strip LaTeX noise, units, degrees and separators from an answer string."""
-    for a, b in _UNICODE:
-        if a in s:
-            s = s.replace(a, b)
+    s = normalize_unicode(s)
     s = s.replace("\\$", " ").replace("$", " ")
     s = re.sub(r"\\[\[\]()]", " ", s)
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|bigg|Bigg|displaystyle|textstyle)(?![A-Za-z])", "", s)
     s = s.replace("\\\\", "\x01")  # protect LaTeX row separators
     s = s.replace("{,}", ",")
     s = re.sub(r",\\!\s*", ",", s)
-    s = re.sub(r"\\[,;:!]", "", s)
+    s = re.sub(r"\\[,!]", "", s)  # thin spaces: thousands separators (12\\,345)
+    s = re.sub(r"\\[;:]", " ", s)
     s = re.sub(r"\\ |\\q?quad(?![A-Za-z])|~", " ", s)
+    s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"(?<![A-Za-z\\])([A-Za-z])\s*(?:'|\^\s*\{?\s*\\prime\s*\}?)", r"\1_p", s)  # f'(x)
+    s = _CHOOSE_RE.sub(r"\\binom{\1}{\2}", s)
     s = s.replace("\\%", "%")
+    s = _PERCENT_WORD_RE.sub("%", s)
     s = _TEXT_CONNECT_RE.sub(",", s)
     s = _TEXT_UNIT_RE.sub("", s)
     for _ in range(3):
@@ -234,12 +553,24 @@ def clean_answer(s: str) -> str:
             break
         s = s2
     s = s.strip()
+    s = _ANSWER_IS_RE.sub("", s)
     s = re.sub(r"[.\s]+$", "", s) if not re.search(r"\d\.$", s) else s[:-1]
+    m = _SET_BUILDER_RE.fullmatch(s)
+    if m:  # {x | x > 2}: the condition
+        s = m.group(1)
     s = re.sub(r"^[A-Za-z]\s*\\in\s*", "", s)
+    s = _REALS_RE.sub(lambda m: "(-\\infty,\\infty)", s)
+    if _REALS_TEXT_RE.fullmatch(s):
+        s = "(-\\infty,\\infty)"
+    s = re.sub(r"\\(?:lor|vee)(?![A-Za-z])", ",", s)
+    s = _OR_PAREN_RE.sub(r",\1", s)
+    s = re.sub(r"(?i)^either\s+", "", s)
     s = re.sub(r"\s+(?:and|or)\s+", ",", s)
+    s = _REPEATING_RE.sub(_repeating, s)
     s = _UNIT_TAIL_RE.sub("", s).strip()
     s = re.sub(r"\s*(?:degrees?|percent)$", "", s)
     s = _strip_thousands(s)
+    s = _SPACE_THOUSANDS_RE.sub(lambda m: m.group(0).replace(" ", ""), s)
     s = s.replace("\x01", "\\\\")
     m = re.fullmatch(r"(-?\d+)\s+(\d+)\s*/\s*(\d+)", s)  # "1 1/2"
     if m:
@@ -250,7 +581,6 @@ def clean_answer(s: str) -> str:
 # --------------------------------------------------------------------------- parsing
 _PLAIN_NUM_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 _CHOICE_RE = re.compile(r"\(?\s*([A-Z])\s*\)?")
-_CHOICE_LOOSE_RE = re.compile(r"\(\s*([A-Z])\s*\)|([A-Z])(?=$|[.):]\s*)")
 _MATH_WORDS = {"sqrt", "pi", "sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp",
                "infty", "infinity", "inf", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh"}
 
@@ -374,8 +704,8 @@ def expr_equiv(a, b, dec: bool) -> bool:
     return good >= 2
 
 
-def _ratio_const(d1, d2) -> bool:
-    """d1 == c * d2 for a nonzero constant c (equations written differently)."""
+def _ratio_const(d1, d2, positive: bool = False) -> bool:
+    """d1 == c * d2 for a nonzero constant c (c > 0 when ``positive``): one relation written twice."""
     free = d1.free_symbols | d2.free_symbols
     if not free or len(free) > 8:
         return False
@@ -395,31 +725,185 @@ def _ratio_const(d1, d2) -> bool:
         elif not _close(r, ratio, POINT_REL_TOL):
             return False
         good += 1
+    if positive and ratio is not None:
+        if abs(mpmath.im(ratio)) > abs(ratio) * POINT_REL_TOL or mpmath.re(ratio) <= 0:
+            return False
     return good >= 2
 
 
-_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
+_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!=", "approx": "approx"}
+_INEQ_OPS = ("<", "<=", ">", ">=")
+APPROX_REL_TOL = 0.05      # how far the approximation in `exact \approx approx` may be off
+
+
+class _Bad:
+    """An equality chain whose constant parts disagree (`5 = 7`): equal to nothing."""
+
+
+_BAD = _Bad()
+
+
+def _const(v) -> bool:
+    return isinstance(v, sympy.Expr) and not v.free_symbols
+
+
+def _is_label(v) -> bool:
+    """A name on the left of an answer: x, a_1, g(x), PQ, (m, n) -- symbols only, no numbers."""
+    if isinstance(v, Tup):
+        return v.left == "(" and v.right == ")" and all(_is_label(x) for x in v.items)
+    if isinstance(v, sympy.Symbol):
+        return True
+    return isinstance(v, sympy.Mul) and all(  # PQ, g(x), f^{-1}(x)
+        isinstance(x, sympy.Symbol) or (x.is_Pow and x.base.is_Symbol and x.exp == -1) for x in v.args)
+
+
+def _is_ineq(r) -> bool:
+    return isinstance(r, Rel) and all(op in _INEQ_OPS for op in r.ops)
+
+
+def _same_number(x, y, tol) -> bool:
+    if x == y:
+        return True
+    vx, vy = _numeric(x), _numeric(y)
+    return vx is not None and vy is not None and _close(vx, vy, tol)
 
 
 def _rel_value(r: Rel):
-    """``x = 5`` -> 5, ``x \\in [1,2]`` -> [1,2], ``x = 2+3 = 5`` -> 5; else None."""
-    if all(op in ("=", "in") for op in r.ops):
-        if isinstance(r.parts[0], sympy.Symbol):
-            return r.parts[-1]
-        if len(r.parts) == 2 and isinstance(r.parts[1], sympy.Symbol) and r.ops[0] == "=":
-            return r.parts[0]
-    return None
+    """The value an equality chain states, for comparison with a plain answer.
+
+    ``x = 5`` -> 5, ``(m,n) = (4,1)`` -> (4,1), ``y = 3+4+2 = 9`` -> 9,
+    ``\\frac18 \\approx 0.125`` -> 1/8 (the exact part before the first ``\\approx``),
+    ``x \\in [1,2]`` -> [1,2].  ``_BAD`` when constant parts disagree (``3+4 = 8``) or
+    an approximation is off by more than APPROX_REL_TOL; None when it is no value
+    (``x^2 = 4``, inequalities).
+    """
+    if r.ops == ["in"]:
+        return r.parts[1] if isinstance(r.parts[0], sympy.Symbol) else None
+    if not all(op in ("=", "approx") for op in r.ops):
+        return None
+    parts, ops = list(r.parts), list(r.ops)
+    if _is_label(parts[0]):
+        parts, ops = parts[1:], ops[1:]
+    elif len(parts) == 2 and _is_label(parts[1]) and ops[0] == "=":
+        parts, ops = parts[:1], []
+    elif not all(_const(p) for p in parts):
+        return None
+    k = ops.index("approx") if "approx" in ops else len(ops)
+    exact, approx = parts[:k + 1], parts[k + 1:]
+    value = exact[-1]
+    if _const(value):
+        for p in exact[:-1]:
+            if _const(p) and not _same_number(p, value, DECIMAL_REL_TOL):
+                return _BAD
+        for p in approx:
+            if not _const(p) or not _same_number(p, value, APPROX_REL_TOL):
+                return _BAD
+    return value
+
+
+def _norm_chain(r: Rel):
+    """An inequality chain written with < / <= (``5 > x > 1`` -> ``1 < x < 5``)."""
+    if all(op in (">", ">=") for op in r.ops):
+        return list(reversed(r.parts)), [_FLIP[op] for op in reversed(r.ops)]
+    return list(r.parts), list(r.ops)
+
+
+def _linear(e):
+    """(x, k, b) when e == k*x + b for one symbol x and real constants k != 0, b; else None."""
+    if not isinstance(e, sympy.Expr) or len(e.free_symbols) != 1:
+        return None
+    x = next(iter(e.free_symbols))
+    k = e.diff(x)
+    if k.free_symbols or not k.is_real or k == 0:
+        return None
+    b = sympy.expand(e - k * x)
+    if b.free_symbols or not b.is_real:
+        return None
+    return x, k, b
+
+
+def _iv(lo, hi, lo_strict, hi_strict):
+    return Tup([lo, hi], "(" if lo_strict else "[", ")" if hi_strict else "]")
+
+
+def _interval(r: Rel):
+    """The set a one-variable inequality defines, as an interval or a union of two.
+
+    ``x < 3`` -> (-oo, 3), ``1 <= x < 5`` -> [1, 5), ``2x - 4 >= 0`` -> [2, oo),
+    ``|x| <= 2`` -> [-2, 2], ``|x - 1| > 2`` -> (-oo, -1) U (3, oo); None otherwise.
+    """
+    if not _is_ineq(r):
+        return None
+    parts, ops = _norm_chain(r)
+    if not all(op in ("<", "<=") for op in ops):
+        return None
+    if len(parts) == 3 and _const(parts[0]) and _const(parts[2]):
+        lin = _linear(parts[1])
+        if lin is None:
+            return None
+        _, k, b = lin
+        lo, hi = (parts[0] - b) / k, (parts[2] - b) / k
+        s_lo, s_hi = ops[0] == "<", ops[1] == "<"
+        if k.is_negative:
+            lo, hi, s_lo, s_hi = hi, lo, s_hi, s_lo
+        return _iv(lo, hi, s_lo, s_hi)
+    if len(parts) != 2:
+        return None
+    strict = ops[0] == "<"
+    left, right = parts
+    for side, const, abs_small in ((left, right, True), (right, left, False)):
+        # abs_small: |u| < c (the Abs on the left of <), else c < |u|
+        if isinstance(side, sympy.Abs) and _const(const):
+            lin = _linear(side.args[0])
+            if lin is None or not const.is_positive:
+                return None
+            _, k, b = lin
+            lo, hi = sorted([(-const - b) / k, (const - b) / k], key=lambda v: float(v))
+            if abs_small:
+                return _iv(lo, hi, strict, strict)
+            return UnionV([_iv(-sympy.oo, lo, True, strict), _iv(hi, sympy.oo, strict, True)])
+    if not (_const(left) or _const(right)):
+        return None
+    lin = _linear(left - right)
+    if lin is None:
+        return None
+    _, k, b = lin
+    root = -b / k
+    if k.is_positive:   # k x + b < 0  ->  x < root
+        return _iv(-sympy.oo, root, True, strict)
+    return _iv(root, sympy.oo, strict, True)
+
+
+def _ineq_equiv(a: Rel, b: Rel, dec: bool) -> bool:
+    pa, oa = _norm_chain(a)
+    pb, ob = _norm_chain(b)
+    if oa != ob or len(pa) != len(pb):
+        return False
+    if all(values_equiv(x, y, dec) for x, y in zip(pa, pb)):
+        return True
+    if len(pa) == 2 and all(isinstance(x, sympy.Expr) for x in pa + pb) and oa[0] in ("<", "<="):
+        # L < R  <=>  R - L > 0: the same if the differences agree up to a positive factor
+        return _ratio_const(pa[1] - pa[0], pb[1] - pb[0], positive=True)
+    return False
 
 
 def _rel_equiv(a: Rel, b: Rel, dec: bool) -> bool:
-    if len(a.parts) != 2 or len(b.parts) != 2:
-        return False
+    if _is_ineq(a) or _is_ineq(b):
+        return _is_ineq(a) and _is_ineq(b) and _ineq_equiv(a, b, dec)
+    if len(a.parts) == 2 and len(b.parts) == 2 and _rel_equiv2(a, b, dec):
+        return True
+    # chains / labels: x = 2+3 = 5 vs x = 5
+    if _is_label(a.parts[0]) and _is_label(b.parts[0]) and values_equiv(a.parts[0], b.parts[0], dec):
+        va, vb = _rel_value(a), _rel_value(b)
+        return (va is not None and vb is not None and va is not _BAD and vb is not _BAD
+                and values_equiv(va, vb, dec))
+    return False
+
+
+def _rel_equiv2(a: Rel, b: Rel, dec: bool) -> bool:
     (al, ar), (bl, br) = a.parts, b.parts
-    aop, bop = a.ops[0], b.ops[0]
-    if aop in ("<", "<="):
-        al, ar, aop = ar, al, _FLIP[aop]
-    if bop in ("<", "<="):
-        bl, br, bop = br, bl, _FLIP[bop]
+    aop = "=" if a.ops[0] == "approx" else a.ops[0]
+    bop = "=" if b.ops[0] == "approx" else b.ops[0]
     if aop != bop:
         return False
     if aop == "=" and isinstance(br, sympy.Symbol) and not isinstance(bl, sympy.Symbol):
@@ -433,6 +917,14 @@ def _rel_equiv(a: Rel, b: Rel, dec: bool) -> bool:
             return False  # same variable, different right-hand sides
         return _ratio_const(al - ar, bl - br)
     return False
+
+
+def _labelled_assignment(m) -> bool:
+    """``PQ=6, RS=7`` / ``x=5, y=-2``: every item assigns a value to a different label."""
+    if not all(isinstance(x, Rel) and x.ops[0] == "=" and _is_label(x.parts[0]) for x in m.items):
+        return False
+    labels = [x.parts[0] for x in m.items]
+    return len(set(map(str, labels))) == len(labels)
 
 
 def _unordered(xs, ys, dec) -> bool:
@@ -474,11 +966,21 @@ def values_equiv(a, b, dec: bool) -> bool:
     """Equivalence of two parsed answer values (answer ``a``, reference ``b``)."""
     if isinstance(a, _Text) or isinstance(b, _Text):
         return isinstance(a, _Text) and isinstance(b, _Text) and a.s == b.s
+    if a is _BAD or b is _BAD:
+        return False
     if isinstance(a, Multi) or isinstance(b, Multi):
         if isinstance(a, Multi) and isinstance(b, Multi):
+            if _labelled_assignment(a) != _labelled_assignment(b):  # 6, 7 vs PQ=6, RS=7
+                return _ordered(a.items, b.items, dec)
             return _unordered(a.items, b.items, dec)
         other = b if isinstance(a, Multi) else a
         multi = a if isinstance(a, Multi) else b
+        if (not isinstance(other, (SetV, Tup, UnionV)) and len(multi.items) <= MAX_ITEMS
+                and all(values_equiv(x, multi.items[0], dec) for x in multi.items[1:])):
+            return values_equiv(multi.items[0], other, dec)  # "1/2 or 0.5": one value written twice
+        if isinstance(other, UnionV):  # x < -1 or x > 3  vs  (-oo,-1) U (3,oo)
+            ivs = [_interval(x) if isinstance(x, Rel) else x for x in multi.items]
+            return None not in ivs and _unordered(ivs, other.parts, dec)
         if isinstance(other, SetV):
             return _unordered(_dedupe_set(multi.items, dec), _dedupe_set(other.items, dec), dec)
         if isinstance(other, Tup) and other.left == "(" and other.right == ")":
@@ -488,8 +990,14 @@ def values_equiv(a, b, dec: bool) -> bool:
         if isinstance(a, Rel) and isinstance(b, Rel):
             return _rel_equiv(a, b, dec)
         if isinstance(a, Rel):
+            if isinstance(b, (Tup, UnionV)) and _is_ineq(a):
+                ia = _interval(a)
+                return ia is not None and values_equiv(ia, b, dec)
             va = _rel_value(a)
             return va is not None and values_equiv(va, b, dec)
+        if isinstance(a, (Tup, UnionV)) and _is_ineq(b):
+            ib = _interval(b)
+            return ib is not None and values_equiv(a, ib, dec)
         vb = _rel_value(b)
         return vb is not None and values_equiv(a, vb, dec)
     if isinstance(a, Tup) and isinstance(b, Tup):
@@ -517,15 +1025,29 @@ def values_equiv(a, b, dec: bool) -> bool:
     return False
 
 
-def _choice(cleaned: str, loose: bool):
+_LETTER_RE = re.compile(r"\(\s*([A-Z])\s*\)|(?<![A-Za-z\\])([A-HJ-Z])(?![A-Za-z])")
+
+
+def _choice(cleaned: str):
+    """The option letter of a multiple-choice reference: ``C``, ``(C)``; else None."""
     m = _CHOICE_RE.fullmatch(cleaned)
-    if m:
-        return m.group(1)
-    if loose:
-        m = _CHOICE_LOOSE_RE.match(cleaned)
-        if m:
-            return m.group(1) or m.group(2)
-    return None
+    return m.group(1) if m else None
+
+
+def _choice_letters(cleaned: str) -> set:
+    """Every option letter an answer names: ``(C)``, ``C.``, ``C`` (a lone capital)."""
+    return {m.group(1) or m.group(2) for m in _LETTER_RE.finditer(cleaned)}
+
+
+_CHOICE_VALUE_RE = re.compile(r"\(\s*([A-Z])\s*\)\s*(\S.*)")
+_DEC_COMMA_RE = re.compile(r"-?\d+,\d+")
+
+
+def _decimal_comma(s: str, other: str) -> str:
+    """``3,5`` -> ``3.5`` when the other side is a single value (no comma at all)."""
+    if "," not in other and _DEC_COMMA_RE.fullmatch(s):
+        return s.replace(",", ".")
+    return s
 
 
 def _plain_number(s: str):
@@ -537,6 +1059,14 @@ def _plain_number(s: str):
 @lru_cache(maxsize=8192)
 def is_equivalent(answer: str, reference: str) -> bool:
     """True when the answer string is mathematically equivalent to the reference string."""
+    try:
+        return _is_equivalent(answer, reference)
+    except (ArithmeticError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError):
+        return False
+
+
+def _is_equivalent(answer: str, reference: str) -> bool:
     if len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
         return False
     if _CTRL_RE.search(answer) or _CTRL_RE.search(reference):
@@ -544,18 +1074,22 @@ def is_equivalent(answer: str, reference: str) -> bool:
     a, r = clean_answer(answer), clean_answer(reference)
     if not a or not r:
         return False
+    a, r = _decimal_comma(a, r), _decimal_comma(r, a)
     # fast path: two plain numbers
     fa, fr = _plain_number(a), _plain_number(r)
     if fa is not None and fr is not None:
         return fa == fr
-    ref_choice = _choice(r, loose=False)
-    if ref_choice is not None and not re.fullmatch(r"[A-Z]", r):
-        ans_choice = _choice(a, loose=True)
-        return ans_choice == ref_choice
-    if ref_choice is not None:  # a bare capital letter: a choice or a variable
-        ans_choice = _choice(a, loose=True)
-        if ans_choice is not None:
-            return ans_choice == ref_choice
+    m = _CHOICE_VALUE_RE.fullmatch(r)
+    if m:  # reference "(C) 12": the option, or its value
+        letters = _choice_letters(a)
+        if letters:
+            return letters == {m.group(1)}
+        return is_equivalent(answer, m.group(2))
+    ref_choice = _choice(r)
+    if ref_choice is not None:
+        letters = _choice_letters(a)
+        if letters or not re.fullmatch(r"[A-Z]", r):  # a bare capital may also be a variable
+            return letters == {ref_choice}
     ca, cr = _candidates(a), _candidates(r)
     for va, da in ca:
         for vr, dr in cr:

@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 MAX_ANSWER_CHARS = 2000   # longest answer (after extraction) we try to parse
-MAX_TOKENS = 800          # longest token stream
-MAX_DEPTH = 40            # deepest bracket / recursion nesting
-MAX_BITS = 8192           # largest exact number a power may produce (~2466 digits)
+MAX_TOKENS = 1000         # longest token stream
+MAX_NESTING = 48          # deepest bracket nesting in the text
+MAX_DEPTH = 160           # deepest recursion of the parser (about 3 per bracket level)
+MAX_BITS = 1 << 17        # largest exact number a power may produce (~39,500 digits, 2^65536 fits)
 MAX_SYMBOLIC_EXP = 1000   # |n| in x^n when x is symbolic
 MAX_FACTORIAL = 1000      # n! only for 0 <= n <= 1000
 MAX_BINOM = 2000          # binomial(n, k) only for n <= 2000
@@ -165,7 +166,7 @@ _WORDS = sorted(
 )
 _SKIP_CMDS = {
     "left", "right", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl", "Bigr",
-    "displaystyle", "textstyle", "limits", "quad", "qquad", "hfill",
+    "displaystyle", "textstyle", "limits", "quad", "qquad", "hfill", "angle", "measuredangle", "triangle",
 }
 _CMD_ALIAS = {
     "cdot": ("op", "*"), "times": ("op", "*"), "ast": ("op", "*"), "div": ("op", "/"),
@@ -175,7 +176,7 @@ _CMD_ALIAS = {
     "le": ("rel", "<="), "leq": ("rel", "<="), "leqslant": ("rel", "<="),
     "ge": ("rel", ">="), "geq": ("rel", ">="), "geqslant": ("rel", ">="),
     "lt": ("rel", "<"), "gt": ("rel", ">"), "ne": ("rel", "!="), "neq": ("rel", "!="),
-    "approx": ("rel", "="), "equiv": ("rel", "="), "in": ("rel", "in"),
+    "approx": ("rel", "approx"), "simeq": ("rel", "approx"), "equiv": ("rel", "="), "in": ("rel", "in"),
     "dfrac": ("cmd", "frac"), "tfrac": ("cmd", "frac"), "cfrac": ("cmd", "frac"),
     "dbinom": ("cmd", "binom"), "tbinom": ("cmd", "binom"),
     "infty": ("cmd", "infty"), "varnothing": ("cmd", "emptyset"),
@@ -342,7 +343,7 @@ def guarded_binomial(n, k):
 
 def _check_size(v):
     """Reject exact numbers that grew too big through products."""
-    if v.is_Rational and _bits_of_rational(v) > 8 * MAX_BITS:
+    if v.is_Rational and _bits_of_rational(v) > 2 * MAX_BITS:
         raise ParseError("number too large")
     return v
 
@@ -452,34 +453,35 @@ class _Parser:
         for p in parts:
             if not isinstance(p, (Tup, SetV, UnionV)):
                 raise ParseError("union of non-sets")
+        if all(isinstance(p, SetV) for p in parts):  # {1, 2} U {3} is the finite set {1, 2, 3}
+            return SetV([x for p in parts for x in p.items])
         return UnionV(parts)
 
     def parse_additive(self):
-        alts = None
         tok = self.peek()
         if tok == ("cmd", "pm") or tok == ("cmd", "mp"):
             self.take()
             t = _expr(self.parse_term())
-            alts = [t, -t]
+            alts = [[t], [-t]]
         else:
             first = self.parse_term()
             if not self._add_op_next():
                 return first
-            alts = [_expr(first)]
+            alts = [[_expr(first)]]
         while self._add_op_next():
             op = self.take()[1]
             t = _expr(self.parse_term())
             if op == "+":
-                alts = [a + t for a in alts]
+                alts = [a + [t] for a in alts]
             elif op == "-":
-                alts = [a - t for a in alts]
+                alts = [a + [-t] for a in alts]
             elif op == "pm":
-                alts = [a + t for a in alts] + [a - t for a in alts]
+                alts = [a + [t] for a in alts] + [a + [-t] for a in alts]
             else:  # mp
-                alts = [a - t for a in alts] + [a + t for a in alts]
+                alts = [a + [-t] for a in alts] + [a + [t] for a in alts]
             if len(alts) > MAX_ALTERNATIVES:
                 raise ParseError("too many alternatives")
-        alts = [_check_size(_check_finite(a)) for a in alts]
+        alts = [_check_size(_check_finite(sympy.Add(*a))) for a in alts]
         return alts[0] if len(alts) == 1 else PMList(alts)
 
     def _add_op_next(self):
@@ -500,6 +502,8 @@ class _Parser:
                 self.take()
                 left = self._div(left, self.parse_signed())
             elif self._starts_atom(tok):
+                if tok[0] == "num" and self.t[self.i - 1][0] == "num":
+                    raise ParseError("two numbers side by side")  # "5 7" is not 35
                 right = self.parse_power()
                 if first and _is_mixed_number(first_tokens, tok, right):
                     left = left - right if first_tokens[0] == ("op", "-") else left + right
@@ -524,7 +528,7 @@ class _Parser:
         if kind in ("num", "id", "setopen", "begin"):
             return True
         if kind == "cmd":
-            return val not in ("pm", "mp", "cup", "cap", "to", "unknown")
+            return val not in ("pm", "mp", "cup", "cap", "to", "unknown", "rfloor", "rceil")
         if kind == "op":
             if val == "|":
                 return self.abs_depth == 0
@@ -648,8 +652,16 @@ class _Parser:
         if kind == "op":
             if val in ("(", "["):
                 return self.parse_bracket(val)
-            if val == "{":
-                return self.parse_group("}")
+            if val == "{":  # a group, or a set written with bare braces: {2, 5}
+                self.enter()
+                try:
+                    items = self.parse_seq()
+                    self.expect("op", "}")
+                finally:
+                    self.leave()
+                if len(items) == 1 and not isinstance(items[0], PMList):
+                    return items[0]
+                return SetV(_flatten(items))
             if val == "|":
                 self.abs_depth += 1
                 try:
@@ -726,7 +738,14 @@ class _Parser:
         if name == "frac":
             a = self.parse_arg()
             b = self.parse_arg()
+            if isinstance(a, PMList) or isinstance(b, PMList):  # \frac{-1 \pm \sqrt5}{2}
+                alts = [self._div(x, y) for x in getattr(a, "items", [a]) for y in getattr(b, "items", [b])]
+                if len(alts) > MAX_ALTERNATIVES:
+                    raise ParseError("too many alternatives")
+                return PMList(alts)
             return self._div(a, b)
+        if name in ("overline", "overrightarrow", "overleftrightarrow", "vec", "widehat", "hat", "bar"):
+            return self.parse_arg()  # segment / arc / vector names: AB
         if name == "sqrt":
             n = None
             if self.accept("op", "["):
@@ -739,6 +758,10 @@ class _Parser:
             if a.is_number and a.is_real and a.is_negative and n % 2 == 1:
                 return -guarded_pow(-a, sympy.Rational(1, int(n)))
             return guarded_pow(a, sympy.Rational(1, int(n)))
+        if name in ("lfloor", "lceil"):
+            inner = _expr(self.parse_additive())
+            self.expect("cmd", "rfloor" if name == "lfloor" else "rceil")
+            return sympy.floor(inner) if name == "lfloor" else sympy.ceiling(inner)
         if name == "binom":
             n = self.parse_arg()
             k = self.parse_arg()
@@ -828,7 +851,7 @@ def parse(s: str, percent_div: bool = True):
     """Parse cleaned answer text; returns (value, has_decimal).  Raises ParseError."""
     if len(s) > MAX_ANSWER_CHARS:
         raise ParseError("answer too long")
-    if max_nesting(s) > MAX_DEPTH:
+    if max_nesting(s) > MAX_NESTING:
         raise ParseError("nesting too deep")
     toks = tokenize(s)
     if not toks:
@@ -885,7 +908,7 @@ def mp_eval(expr, env=None):
 
 
 def _mp_eval(e, env, depth):
-    if depth > 4 * MAX_DEPTH:
+    if depth > 200:
         raise EvalError("too deep")
     if e.is_Integer:
         return mpmath.mpf(int(e))
@@ -931,6 +954,11 @@ def _mp_eval(e, env, depth):
         return _mp_check(mpmath.exp(lg))
     if isinstance(e, sympy.Abs):
         return abs(_mp_eval(e.args[0], env, d))
+    if isinstance(e, (sympy.floor, sympy.ceiling)):
+        x = _mp_eval(e.args[0], env, d)
+        if mpmath.im(x) != 0:
+            raise EvalError("floor of a complex number")
+        return mpmath.floor(x) if isinstance(e, sympy.floor) else mpmath.ceil(x)
     if isinstance(e, sympy.factorial):
         x = _mp_eval(e.args[0], env, d)
         if abs(x) > 10 ** 4:
