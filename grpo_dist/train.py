@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist
+    from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError
 
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
             cfg.save(Path(cfg.output_dir) / "config.yaml")
         trainer = GRPOTrainer(cfg, ctx)
         code = trainer.train()
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         code = 2
     except NonFiniteError as e:

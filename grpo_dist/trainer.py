@@ -115,12 +115,20 @@ class GRPOTrainer:
         torch.manual_seed(seed)
 
     def _maybe_resume(self) -> None:
-        path = None
-        if self.ctx.is_main:
-            path = ckpt.resolve_resume_path(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
-        path = gdist.broadcast_object(str(path) if path else None)
+        path, note, error = None, "", None
+        if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict
+            try:
+                path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
+                                                     self.cfg.verify_checkpoint_hashes)
+            except ckpt.CheckpointError as e:
+                error = str(e)
+        path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
+        if error:
+            raise ckpt.CheckpointError(error)
         if path is None:
             return
+        if note and self.ctx.is_main:
+            print(f"[grpo_dist] {path}: {note}", flush=True)
         saved = ckpt.read_trainer_state(Path(path))
         # Checked before any weight is read: a different world size resumes only where the state maps onto it.
         try:
@@ -132,6 +140,9 @@ class GRPOTrainer:
                 hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
             raise DataError(f"{path}: {e}{hint}") from None
         state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
+        self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
+        if self.ctx.is_main:
+            self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
@@ -145,6 +156,24 @@ class GRPOTrainer:
             note = "" if state["rng_restored"] else (f" (written by {state['world_size']} ranks, now "
                                                      f"{self.ctx.world_size}: sampling RNG reseeded)")
             print(f"[grpo_dist] resumed from {path} at step {self.step}{note}", flush=True)
+
+    def _log_config_changes(self, saved: dict, path: str) -> None:
+        """One line per setting that differs from the checkpoint's config (what the user changed on resume)."""
+        from grpo_dist.engines import OPTIMIZER_KEYS, SCHEDULE_KEYS
+
+        def flat(d, prefix=""):
+            for k, v in d.items():
+                if isinstance(v, dict) and k in ("model", "data", "distributed"):
+                    yield from flat(v, f"{prefix}{k}.")
+                else:
+                    yield f"{prefix}{k}", v
+        old, new = dict(flat(saved)), dict(flat(self.cfg.to_dict()))
+        for key in sorted(set(old) & set(new)):
+            if old[key] != new[key] and key not in ("resume_from_checkpoint", "output_dir"):
+                applied = " (applied to the restored optimizer / LR schedule)" if key in OPTIMIZER_KEYS + \
+                    SCHEDULE_KEYS else ""
+                print(f"[grpo_dist] resume: {key} changed since {Path(path).name}: {old[key]!r} -> {new[key]!r}"
+                      f"{applied}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
