@@ -96,7 +96,10 @@ class DistributedConfig:
 @dataclass
 class GRPOConfig:
     # Run
-    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go")
+    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked)")
+    overwrite_output_dir: bool = _f(False, "start a fresh run in an output_dir that holds another run's checkpoints "
+                                    "or metrics, deleting them (without it, and without resume_from_checkpoint, "
+                                    "such a start is refused)")
     seed: int = _f(42, "seed of data order and sampling (each rank adds its rank)")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")

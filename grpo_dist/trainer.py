@@ -31,7 +31,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
 from grpo_dist.config import ConfigError, GRPOConfig
-from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
+from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
@@ -64,6 +64,11 @@ class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        # Data and reward functions first: their mistakes are named before minutes of model loading.
+        self.train_examples = self._load_split("train")
+        self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
@@ -94,10 +99,6 @@ class GRPOTrainer:
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
-        self.train_examples = load_examples(cfg.data, "train")
-        self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
-        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
-        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.step = 0
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
@@ -113,6 +114,12 @@ class GRPOTrainer:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
+
+    def _load_split(self, split: str):
+        examples = load_examples(self.cfg.data, split)
+        where = (self.cfg.data.path if split == "train" else self.cfg.data.eval_path) or \
+            f"data.preset={self.cfg.data.preset} ({split})"
+        return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
 
     def _maybe_resume(self) -> None:
         path, note, error = None, "", None
