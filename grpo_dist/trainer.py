@@ -127,6 +127,8 @@ class GRPOTrainer:
             try:
                 path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
                                                      self.cfg.verify_checkpoint_hashes)
+                if path is not None:
+                    ckpt.check_model_shape(path, self.gen_model.config)
             except ckpt.CheckpointError as e:
                 error = str(e)
         path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
