@@ -136,6 +136,9 @@ class GRPOConfig:
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")
     reward_timeout_s: float = _f(5.0, "hard time limit per graded completion")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
+    reward_fail_on_all_errors: bool = _f(True, "stop (exit 2) when a reward function fails (raises, times out, "
+                                         "returns a non-number) on every completion of a step; fewer failures "
+                                         "score 0 and are counted in the metrics reward_errors/<name>")
     # Loss
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference model (0: no reference model)")
     epsilon: float = _f(0.2, "lower clip range of the PPO ratio")

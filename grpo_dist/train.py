@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
     from grpo_dist.runlock import stop_when_parent_dies
-    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError
+    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError, RewardFunctionError
 
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
     stop_when_parent_dies()
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         if ctx.is_main and code == 0:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
                   f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
         if ctx.is_main or not isinstance(e, preflight.AgreedError):  # an agreed error is printed once
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)

@@ -49,6 +49,10 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient."""
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on every completion of a step."""
+
+
 class Timer:
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -223,15 +227,30 @@ class GRPOTrainer:
             batch = self.rollout(self.sampler.next_batch())
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references)
+        reward_errors = self._reward_errors(len(rewards))  # before the update: a broken function stops the run
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
+        metrics.update(reward_errors)
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
         return metrics
+
+    def _reward_errors(self, n_local: int) -> dict:
+        """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a
+        function failed on all of them (reward_fail_on_all_errors): that is a broken function, not a bad model."""
+        names = self.rewards.names
+        s = gdist.all_reduce_sum([self.rewards.last_errors.get(k, 0) for k in names] + [n_local], self.ctx.device)
+        total = int(s[-1])
+        for name, count in zip(names, s[:-1]):
+            if self.cfg.reward_fail_on_all_errors and total and int(count) == total:
+                raise RewardFunctionError(
+                    f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
+                    f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
+        return {f"reward_errors/{name}": int(count) for name, count in zip(names, s[:-1])}
 
     def rollout(self, examples) -> RolloutBatch:
         cfg = self.cfg
