@@ -311,9 +311,11 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
-    """Load YAML (optional), apply dotted overrides, build and validate the typed config."""
-    d: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> GRPOConfig:
+    """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
+    validate the typed config."""
+    d: dict = dict(base or {})
     if path is not None:
         p = Path(path)
         if not p.is_file():

@@ -41,3 +41,7 @@ def broken_on_rank0(completion: str, reference: str) -> float:
     if which == "all" or which == os.environ.get("RANK"):
         raise RuntimeError("broken here")
     return 1.0
+
+
+def always_one(completion: str, reference: str) -> float:
+    return 1.0
