@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import types
 import typing
@@ -177,12 +178,17 @@ class GRPOConfig:
             raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:
             raise ConfigError("config key 'num_generations' must be >= 2: advantages compare completions in a group")
-        if self.temperature <= 0:
-            raise ConfigError("config key 'temperature' must be > 0")
+        _check_numbers(self)
+        if not self.temperature > 0:
+            raise ConfigError(f"config key 'temperature' must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("config key 'top_p' must be in (0, 1]")
-        if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ConfigError("config keys 'beta', 'epsilon', 'epsilon_high' must be >= 0")
+        for k in ("beta", "epsilon", "epsilon_high"):
+            v = getattr(self, k)
+            if v is not None and not v >= 0:
+                raise ConfigError(f"config key '{k}' must be >= 0, got {v}")
+        if not self.rewards:
+            raise ConfigError("config key 'rewards' is empty: give at least one {function: module:function}")
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
                 raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
@@ -204,6 +210,45 @@ class GRPOConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# Ranges the types alone do not say (key -> (lowest, highest, lowest allowed?)); NaN is refused everywhere.
+_AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "reward_workers", "eval_steps",
+               "save_steps", "top_k", "adam_epsilon")
+_ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")
+
+
+def _check_numbers(cfg) -> None:
+    def value(key):
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    for key in _number_keys(cfg, ""):
+        v = value(key)
+        if isinstance(v, float) and math.isnan(v):
+            raise ConfigError(f"config key '{key}' is NaN")
+    for key in _AT_LEAST_0:
+        if value(key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value(key)}")
+    for key in _ABOVE_0:
+        v = value(key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0" + (" (or null)" if key == "generation_batch_size"
+                                                                     else "") + f", got {v}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= value(key) < 1:
+            raise ConfigError(f"config key '{key}' must be in [0, 1), got {value(key)}")
+
+
+def _number_keys(obj, prefix: str):
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _number_keys(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield prefix + f.name
 
 
 def _check_choices(obj, prefix: str) -> None:
@@ -307,8 +352,39 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
     return d
+
+
+def _is_text_key(parts: list[str]) -> bool:
+    """Whether the dotted key names a string field: its value is taken as written ("End with: N." stays text
+    instead of becoming a YAML mapping)."""
+    cls = GRPOConfig
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            return False
+        tp = hints[name]
+        if typing.get_origin(tp) in (Union, types.UnionType):
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if dataclasses.is_dataclass(tp):
+            cls = tp
+            continue
+        return tp is str and i == len(parts) - 1
+    return False
+
+
+def _blame(message: str, path, overrides: list[str]) -> str:
+    """Prefix an error with where the bad key came from: the command line or the YAML file."""
+    import re
+    m = re.search(r"config key '([^']+)'", message)
+    given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    if m:
+        key = m.group(1)
+        top = re.split(r"[.\[]", key)[0]
+        if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
+            return f"command line: {message}"
+    return f"{path}: {message}" if path else message
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -330,7 +406,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return _from_dict(GRPOConfig, d)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        raise ConfigError(_blame(str(e), path, overrides or [])) from None
 
 
 def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
