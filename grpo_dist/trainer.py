@@ -403,7 +403,7 @@ class GRPOTrainer:
             "completion_length_mean": float(s[4] / n),
             "completion_length_max": float(mx[0]),
             "truncated_fraction": float(s[13] / n),
-            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: seed 001's length ratio
+            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: the length ratio (README)
             "zero_advantage_fraction": float(s[5] / s[6]),
             "loss": float(s[7]),
             "policy_loss": float(s[8] / tok),
