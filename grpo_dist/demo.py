@@ -12,7 +12,8 @@ right never (no signal); a model trained on clean answers is right always (nothi
 is a tiny Qwen2 (character tokenizer, 0.47 M parameters) trained for 400 supervised steps on the built-in addition
 task where 60 % of the target answers are one too large: it learns addition together with the habit, so its greedy
 answer is right only about 40 % of the time on held-out problems, while one of 8 samples is right about 90 % of the
-time. GRPO rewards the exact sum and unlearns the habit (held-out greedy accuracy ~40 % -> ~75 % in 150 steps on 2 CPU processes).
+time. GRPO rewards the exact sum and unlearns the habit (held-out greedy accuracy ~40 % -> ~75 % in 150 steps on 2
+CPU processes).
 
 Measured alternatives (2 ranks, the demo config, held-out greedy accuracy): wrong answers spread over +-1..3 give a
 base whose greedy errors come from not knowing the sum, and GRPO then *lowered* held-out accuracy (39 % -> 26 % in
