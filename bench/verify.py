@@ -13,6 +13,7 @@ total bytes / aggregate speed and the biggest file / single-stream speed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -67,6 +68,8 @@ def main() -> None:
     print(f"7B estimate: {model_gb:.0f} GB weights + {optim_gb:.0f} GB optimizer state -> {est:.0f} s "
           f"(bf16 weights, model.dtype=bfloat16: {max((model_gb / 2 + optim_gb) / agg, optim_gb / single):.0f} s; "
           f"save_format=sharded splits the optimizer into per-rank files and hashes them in parallel)")
+    print(json.dumps({"checkpoint_gb": round(total / 1e9, 3), "verify_s": round(t, 3), "aggregate_gb_per_s":
+                      round(agg, 3), "single_file_gb_per_s": round(single, 3), "estimate_7b_s": round(est)}))
 
 
 if __name__ == "__main__":

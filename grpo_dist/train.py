@@ -59,7 +59,8 @@ def main(argv=None) -> int:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
                   f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
     except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
-        if ctx.is_main or not isinstance(e, preflight.AgreedError):  # an agreed error is printed once
+        # these are raised on every rank from one shared verdict: printed once, by rank 0
+        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError)):
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
