@@ -189,9 +189,9 @@ def resolve_and_verify(value: str | None, output_dir: str, check_hashes: bool) -
     path = resolve_resume_path(value, output_dir, check_hashes)
     if path is None or not check_hashes:
         return path, ""
-    gb = checkpoint_bytes(path) / 1e9
+    mb = checkpoint_bytes(path) / 1e6
     dt = time.perf_counter() - t0
-    return path, f"sha256 of {gb:.2f} GB verified in {dt:.1f} s ({gb / max(dt, 1e-9):.2f} GB/s)"
+    return path, f"sha256 of {mb:.1f} MB verified in {dt:.2f} s ({mb / max(dt, 1e-9):.0f} MB/s)"
 
 
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
