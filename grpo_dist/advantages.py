@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-ADV_EPS = 1e-4  # added to the std; rewards [1,1,0,0] then give +-0.8659 as in seed 000
+# added to the std; rewards [1,1,0,0] then give +-0.8659, as in the GRPO-from-scratch recipe's worked example
+ADV_EPS = 1e-4
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",

@@ -25,6 +25,9 @@ import os
 import random
 import re
 import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +44,13 @@ TMP_PREFIX = ".tmp-checkpoint-"
 # and writes them from that one process; beyond this it is slow and the first thing to run out of memory.
 FULL_STATE_MAX_PARAMS = 4_000_000_000
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+# Files hashed at once when verifying: hashlib releases the GIL, so threads overlap reading and hashing (one big
+# file still takes one core: ~1.5 GB/s of sha256 with SHA-NI).
+_HASH_THREADS = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, incomplete, corrupted, another model) or cannot be written."""
 
 
 def resolve_save_format(save_format: str, num_params: int, engine) -> str:
@@ -108,7 +118,8 @@ def _write_manifest_collective(ckpt: Path, ctx) -> None:
 
 
 def verify_checkpoint(ckpt: Path, check_hashes: bool = False) -> str | None:
-    """None when complete, else what is wrong. Sizes always; sha256 only with check_hashes (reads every byte)."""
+    """None when complete, else what is wrong. Sizes always; sha256 only with check_hashes (reads every byte,
+    files hashed in parallel threads)."""
     m = ckpt / MANIFEST
     if not m.is_file():
         return "no manifest.json (incomplete save)"
@@ -120,9 +131,18 @@ def verify_checkpoint(ckpt: Path, check_hashes: bool = False) -> str | None:
         p = ckpt / name
         if not p.is_file() or p.stat().st_size != info["size"]:
             return f"{name} is missing or has the wrong size"
-        if check_hashes and _sha256(p) != info["sha256"]:
-            return f"{name} has the wrong checksum"
+    if check_hashes:
+        names = sorted(files, key=lambda n: -files[n]["size"])  # biggest first: the pool finishes together
+        with ThreadPoolExecutor(min(_HASH_THREADS, max(1, len(names)))) as pool:
+            digests = dict(zip(names, pool.map(lambda n: _sha256(ckpt / n), names)))
+        for name in sorted(files):
+            if digests[name] != files[name]["sha256"]:
+                return f"{name} has the wrong checksum (sha256 differs from manifest.json): the file is corrupted"
     return None
+
+
+def checkpoint_bytes(ckpt: Path) -> int:
+    return sum(p.stat().st_size for p in Path(ckpt).rglob("*") if p.is_file())
 
 
 # ---------------------------------------------------------------------------------------------------- discovery
@@ -134,25 +154,61 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (partial ones are skipped)."""
+def latest_checkpoint(output_dir: str | Path, check_hashes: bool = False) -> Path | None:
+    """The newest complete checkpoint (partial ones are skipped; with check_hashes also corrupted ones, each named
+    in a warning)."""
     for _, p in reversed(list_checkpoints(output_dir)):
-        if verify_checkpoint(p) is None:
+        problem = verify_checkpoint(p, check_hashes)
+        if problem is None:
             return p
+        if check_hashes:
+            print(f"[grpo_dist] warning: skipping {p}: {problem}; trying the previous checkpoint", file=sys.stderr,
+                  flush=True)
     return None
 
 
-def resolve_resume_path(value: str | None, output_dir: str) -> Path | None:
-    """'auto': the newest complete checkpoint in output_dir, or None (start fresh) when there is none."""
+def resolve_resume_path(value: str | None, output_dir: str, check_hashes: bool = False) -> Path | None:
+    """'auto': the newest complete (and, with check_hashes, intact) checkpoint in output_dir, or None (start fresh)
+    when there is none. A named checkpoint must exist and be intact (CheckpointError otherwise)."""
     if not value:
         return None
     if value == "auto":
-        return latest_checkpoint(output_dir)
+        return latest_checkpoint(output_dir, check_hashes)
     p = Path(value)
-    problem = verify_checkpoint(p) if p.is_dir() else "not a directory"
+    if not p.exists():
+        raise CheckpointError(f"config key 'resume_from_checkpoint' = {value}: no such directory")
+    problem = verify_checkpoint(p, check_hashes) if p.is_dir() else "not a directory"
     if problem:
-        raise FileNotFoundError(f"resume_from_checkpoint={value}: {problem}")
+        raise CheckpointError(f"config key 'resume_from_checkpoint' = {value}: {problem}")
     return p
+
+
+def resolve_and_verify(value: str | None, output_dir: str, check_hashes: bool) -> tuple[Path | None, str]:
+    """resolve_resume_path plus a note of what the verification cost (for the log)."""
+    t0 = time.perf_counter()
+    path = resolve_resume_path(value, output_dir, check_hashes)
+    if path is None or not check_hashes:
+        return path, ""
+    mb = checkpoint_bytes(path) / 1e6
+    dt = time.perf_counter() - t0
+    return path, f"sha256 of {mb:.1f} MB verified in {dt:.2f} s ({mb / max(dt, 1e-9):.0f} MB/s)"
+
+
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "head_dim", "tie_word_embeddings")
+
+
+def check_model_shape(path: Path, hf_config) -> None:
+    """CheckpointError naming the first architecture setting in which the checkpoint's config.json differs from
+    the model built from this run's config (loading it would fail deep in a state-dict load, or worse, half-work)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return
+    saved, now = json.loads(f.read_text()), hf_config.to_dict()
+    for key in _SHAPE_KEYS:
+        if key in saved and key in now and saved[key] != now[key]:
+            raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: the checkpoint is of another model "
+                                  f"({key} = {saved[key]} there, {now[key]} in this run's model section)")
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -197,12 +253,19 @@ def write_hf_weights(out: Path, specs: dict, read, tie_word_embeddings: bool = F
         fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors = {k: v.contiguous() for k, v in read(names).items()}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates it 0600: colleagues could not read it
         total += sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map.update({k: fname for k in names})
         del tensors
     if n > 1:
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _save_hf_config(hf_model, out: Path) -> None:
@@ -216,38 +279,44 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
                     save_total_limit: int | None = None, keep: Path | None = None,
                     save_format: str = "full") -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
-    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune."""
+    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune.
+    A write error on any rank (a full disk) raises CheckpointError on every rank, naming the last good checkpoint;
+    the partial copy is removed and the previous checkpoints are untouched."""
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"{TMP_PREFIX}{step}"
+    error = None
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save; never complete
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    gdist.barrier()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in out.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save; never complete
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            error = _write_error(e, ctx.rank)
+    _agree_on_write(error, tmp, out, step, ctx)
     if save_format == "sharded":
         engine.save_sharded(tmp / SHARDED_DIR)
-        if ctx.is_main:  # what an export needs besides the weights
-            _save_hf_config(hf_model, tmp)
+        model_sd = optim_sd = None
     else:
         model_sd, optim_sd = engine.gather_full_state()
-        if ctx.is_main:
-            _save_hf_config(hf_model, tmp)
-            write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
-                             lambda names: {k: model_sd[k] for k in names},
-                             getattr(hf_model.config, "tie_word_embeddings", False))
-            torch.save(optim_sd, tmp / "optimizer.pt")
-        del model_sd, optim_sd
+    try:
+        _write_main_files(tmp, save_format, hf_model, ctx, model_sd, optim_sd)
+    except OSError as e:
+        error = _write_error(e, ctx.rank)
+    del model_sd, optim_sd
     if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)
-        engine.save_engine_state(tmp)
-    torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
-    if ctx.is_main:
-        tokenizer.save_pretrained(tmp)
-        (tmp / "trainer_state.json").write_text(
-            json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
+        engine.save_engine_state(tmp)  # collective: called on every rank, whatever happened above
+    try:
+        torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
+        if ctx.is_main:
+            tokenizer.save_pretrained(tmp)
+            (tmp / "trainer_state.json").write_text(
+                json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
+    except OSError as e:
+        error = error or _write_error(e, ctx.rank)
     faults.inject("kill_save", step, ctx.rank)
-    gdist.barrier()  # every rank's files are written
+    _agree_on_write(error, tmp, out, step, ctx)  # every rank's files are written
     _write_manifest_collective(tmp, ctx)
     if ctx.is_main:
         if final.exists():  # a stale copy of this very step (re-run after a crash): replace it
@@ -258,6 +327,35 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
             prune_checkpoints(out, save_total_limit, keep)
     gdist.barrier()
     return final
+
+
+def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, optim_sd) -> None:
+    """Rank 0's HF files (config.json, and for save_format=full the weights) and the gathered optimizer state."""
+    if not ctx.is_main:
+        return
+    _save_hf_config(hf_model, tmp)  # what from_pretrained / an export needs besides the weights
+    if save_format != "sharded":
+        write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
+                         lambda names: {k: model_sd[k] for k in names},
+                         getattr(hf_model.config, "tie_word_embeddings", False))
+        torch.save(optim_sd, tmp / "optimizer.pt")
+
+
+def _write_error(e: OSError, rank: int) -> str:
+    return f"rank {rank}: {e.strerror or e} ({e.filename or 'while writing'})"
+
+
+def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> None:
+    """Barrier that also shares write errors: every rank raises the first one (rank 0 removes the partial copy)."""
+    errors = gdist.gather_object(error)
+    first = gdist.broadcast_object(next((e for e in errors if e), None) if ctx.is_main else None)
+    if first is None:
+        return
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    last = latest_checkpoint(out)
+    raise CheckpointError(f"writing checkpoint-{step} in {out} failed: {first}; the last good checkpoint is "
+                          f"{last if last else 'none (no complete checkpoint in output_dir)'}")
 
 
 def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import types
 import typing
@@ -96,7 +97,10 @@ class DistributedConfig:
 @dataclass
 class GRPOConfig:
     # Run
-    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go")
+    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked)")
+    overwrite_output_dir: bool = _f(False, "start a fresh run in an output_dir that holds another run's checkpoints "
+                                    "or metrics, deleting them (without it, and without resume_from_checkpoint, "
+                                    "such a start is refused)")
     seed: int = _f(42, "seed of data order and sampling (each rank adds its rank)")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
@@ -108,6 +112,9 @@ class GRPOConfig:
                           ("auto", "full", "sharded"))
     resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto' (the newest "
                                                "complete checkpoint in output_dir; start fresh if there is none)")
+    verify_checkpoint_hashes: bool = _f(True, "check every file of the checkpoint resumed from against the sha256 in "
+                                        "its manifest (rank 0 reads it all once, ~1.5 GB/s per file; auto-resume "
+                                        "falls back to the previous intact checkpoint); false: sizes only")
     logging_steps: int = _f(1, "print metrics every N steps (metrics.jsonl gets every step)")
     eval_steps: int = _f(0, "evaluate on data.eval_path every N steps (0: never)")
     report_to: list = _f(factory=lambda: ["jsonl"], help="metric sinks: jsonl, tensorboard, wandb")
@@ -130,6 +137,9 @@ class GRPOConfig:
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")
     reward_timeout_s: float = _f(5.0, "hard time limit per graded completion")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
+    reward_fail_on_all_errors: bool = _f(True, "stop (exit 2) when a reward function fails (raises, times out, "
+                                         "returns a non-number) on every completion of a step; fewer failures "
+                                         "score 0 and are counted in the metrics reward_errors/<name>")
     # Loss
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference model (0: no reference model)")
     epsilon: float = _f(0.2, "lower clip range of the PPO ratio")
@@ -168,12 +178,17 @@ class GRPOConfig:
             raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:
             raise ConfigError("config key 'num_generations' must be >= 2: advantages compare completions in a group")
-        if self.temperature <= 0:
-            raise ConfigError("config key 'temperature' must be > 0")
+        _check_numbers(self)
+        if not self.temperature > 0:
+            raise ConfigError(f"config key 'temperature' must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("config key 'top_p' must be in (0, 1]")
-        if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ConfigError("config keys 'beta', 'epsilon', 'epsilon_high' must be >= 0")
+        for k in ("beta", "epsilon", "epsilon_high"):
+            v = getattr(self, k)
+            if v is not None and not v >= 0:
+                raise ConfigError(f"config key '{k}' must be >= 0, got {v}")
+        if not self.rewards:
+            raise ConfigError("config key 'rewards' is empty: give at least one {function: module:function}")
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
                 raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
@@ -195,6 +210,45 @@ class GRPOConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# Ranges the types alone do not say (key -> (lowest, highest, lowest allowed?)); NaN is refused everywhere.
+_AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "reward_workers", "eval_steps",
+               "save_steps", "top_k", "adam_epsilon")
+_ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")
+
+
+def _check_numbers(cfg) -> None:
+    def value(key):
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    for key in _number_keys(cfg, ""):
+        v = value(key)
+        if isinstance(v, float) and math.isnan(v):
+            raise ConfigError(f"config key '{key}' is NaN")
+    for key in _AT_LEAST_0:
+        if value(key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value(key)}")
+    for key in _ABOVE_0:
+        v = value(key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0" + (" (or null)" if key == "generation_batch_size"
+                                                                     else "") + f", got {v}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= value(key) < 1:
+            raise ConfigError(f"config key '{key}' must be in [0, 1), got {value(key)}")
+
+
+def _number_keys(obj, prefix: str):
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _number_keys(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield prefix + f.name
 
 
 def _check_choices(obj, prefix: str) -> None:
@@ -298,13 +352,46 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
     return d
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
-    """Load YAML (optional), apply dotted overrides, build and validate the typed config."""
-    d: dict = {}
+def _is_text_key(parts: list[str]) -> bool:
+    """Whether the dotted key names a string field: its value is taken as written ("End with: N." stays text
+    instead of becoming a YAML mapping)."""
+    cls = GRPOConfig
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            return False
+        tp = hints[name]
+        if typing.get_origin(tp) in (Union, types.UnionType):
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if dataclasses.is_dataclass(tp):
+            cls = tp
+            continue
+        return tp is str and i == len(parts) - 1
+    return False
+
+
+def _blame(message: str, path, overrides: list[str]) -> str:
+    """Prefix an error with where the bad key came from: the command line or the YAML file."""
+    import re
+    m = re.search(r"config key '([^']+)'", message)
+    given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    if m:
+        key = m.group(1)
+        top = re.split(r"[.\[]", key)[0]
+        if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
+            return f"command line: {message}"
+    return f"{path}: {message}" if path else message
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> GRPOConfig:
+    """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
+    validate the typed config."""
+    d: dict = dict(base or {})
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -319,7 +406,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return _from_dict(GRPOConfig, d)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        raise ConfigError(_blame(str(e), path, overrides or [])) from None
 
 
 def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:

@@ -249,9 +249,18 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+def _not_utf8(p: Path, lineno: int, e: UnicodeDecodeError, line_start: int = 0) -> DataError:
+    return DataError(f"{p}:{lineno}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at column "
+                     f"{e.start - line_start + 1}); re-encode the file as UTF-8")
+
+
 def _iter_jsonl(p: Path) -> Iterator[tuple[int, Any]]:
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(p, lineno, e) from None
             if not line.strip():
                 continue
             try:
@@ -261,7 +270,11 @@ def _iter_jsonl(p: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_json(p: Path) -> Iterator[tuple[Any, Any]]:
-    text = p.read_text(encoding="utf-8")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(p, raw.count(b"\n", 0, e.start) + 1, e, raw.rfind(b"\n", 0, e.start) + 1) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -578,3 +591,30 @@ class PromptSampler:
         if step == self._steps_per_epoch:
             epoch, step = epoch + 1, 0
         self._epoch, self._step = epoch, step
+
+
+# ------------------------------------------------------------------------------------------- pathological rows
+# Characters kept per token of max_prompt_length when a prompt is cut before tokenizing: generous (most tokens
+# are 3-5 characters, whitespace runs of code tokenizers up to ~16), so the left truncation to max_prompt_length
+# tokens still happens on real tokens, but a 10 MB row never reaches the tokenizer whole (GBs, seconds per step).
+CHARS_PER_TOKEN_BOUND = 16
+
+
+def truncate_long_prompts(examples: list[PromptExample], max_prompt_length: int, where: str,
+                          warn: bool = True) -> list[PromptExample]:
+    """Keep the last max_prompt_length * CHARS_PER_TOKEN_BOUND characters of over-long prompts (prompts are
+    truncated from the left, like the tokens later); one warning per file with the count."""
+    limit = max_prompt_length * CHARS_PER_TOKEN_BOUND
+    cut = [i for i, e in enumerate(examples) if len(e.prompt) > limit]
+    if not cut:
+        return examples
+    out = list(examples)
+    longest = max(len(examples[i].prompt) for i in cut)
+    for i in cut:
+        out[i] = dataclasses.replace(out[i], prompt=out[i].prompt[-limit:])
+    if not warn:
+        return out
+    print(f"[grpo_dist] warning: {where}: {len(cut)} of {len(examples)} prompts are longer than {limit} characters "
+          f"(up to {longest}); kept their last {limit} characters before tokenizing (max_prompt_length="
+          f"{max_prompt_length} tokens, truncated from the left)", flush=True)
+    return out

@@ -6,13 +6,14 @@
 `bash launch/demo.sh OUTPUT_DIR` runs the whole demo (venv, base model, evaluation before and after GRPO, plots).
 
 Why a warm start with noisy answers: GRPO only learns from groups whose completions disagree (some right, some
-wrong). A real instruction model on MATH is in exactly that state: it solves a problem some of the time (seed 000:
-Qwen3-0.6B, 15 % greedy) and GRPO turns "sometimes" into "usually". A random model is right never (no signal); a
-model trained on clean answers is right always (nothing to learn). So the base model is a tiny Qwen2 (character
-tokenizer, 0.47 M parameters) trained for 400 supervised steps on the built-in addition task where 60 % of the
-target answers are one too large: it learns addition together with the habit, so its greedy answer is right only
-about 40 % of the time on held-out problems, while one of 8 samples is right about 90 % of the time. GRPO rewards
-the exact sum and unlearns the habit (held-out greedy accuracy ~40 % -> ~75 % in 150 steps on 2 CPU processes).
+wrong). A real instruction model on MATH is in exactly that state: it solves a problem some of the time (a public
+GRPO-from-scratch recipe: Qwen3-0.6B, 15 % greedy) and GRPO turns "sometimes" into "usually". A random model is
+right never (no signal); a model trained on clean answers is right always (nothing to learn). So the base model
+is a tiny Qwen2 (character tokenizer, 0.47 M parameters) trained for 400 supervised steps on the built-in addition
+task where 60 % of the target answers are one too large: it learns addition together with the habit, so its greedy
+answer is right only about 40 % of the time on held-out problems, while one of 8 samples is right about 90 % of the
+time. GRPO rewards the exact sum and unlearns the habit (held-out greedy accuracy ~40 % -> ~75 % in 150 steps on 2
+CPU processes).
 
 Measured alternatives (2 ranks, the demo config, held-out greedy accuracy): wrong answers spread over +-1..3 give a
 base whose greedy errors come from not knowing the sum, and GRPO then *lowered* held-out accuracy (39 % -> 26 % in

@@ -7,7 +7,8 @@
 --data is a .jsonl/.json/.parquet file read with the config's data fields (e.g. data.prompt_field=problem); without
 it the config's held-out split is used (data.eval_path, or the preset's eval split: GSM8K test, MATH-500, or the
 held-out arithmetic problems). --config supplies the prompt template, reward functions and sampling settings
-(default: the trainer's defaults); trailing key=value pairs override it like in training.
+(default: the run's own config when --model is a training output_dir or a checkpoint in one, else the trainer's
+defaults); trailing key=value pairs override it like in training.
 
 A completion counts as correct when the first reward function gives it full marks (>= 1). Ranks split the problems
 (rank r takes every world_size-th) and sum their counts, so the result does not depend on the number of ranks.
@@ -99,12 +100,15 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
     bar = None
     if progress and ctx.is_main and sys.stderr.isatty():
         from tqdm import tqdm
-        bar = tqdm(total=len(mine) * (2 if num_samples else 1), desc="evaluate (rank 0)", unit="problem")
+        bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
     t0 = time.perf_counter()
     greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar) if mine else []
     sums = [float(sum(greedy)), float(len(mine))]
     ks = k_values(num_samples) if num_samples > 0 else []
     if ks:
+        if bar is not None:
+            bar.reset(total=len(mine))
+            bar.set_description(f"{num_samples} samples (rank 0)")
         sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
                                   max(1, batch_size // num_samples), bar) if mine else []
         sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
@@ -136,12 +140,34 @@ def resolve_model_dir(path: str) -> str:
     return str(ck)
 
 
+# Keys of a training config that mean nothing to an evaluation and could only get in its way.
+_RUN_ONLY_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")
+
+
+def run_config(model_arg: str, model_dir: str) -> tuple[dict | None, str | None]:
+    """The config a model was trained with, when --model is a training output_dir or a checkpoint in one: the
+    checkpoint's own trainer_state.json (what trained these weights), else the run's config.yaml. (None, None) for
+    a plain model directory or a hub id."""
+    import yaml
+    state = Path(model_dir) / "trainer_state.json"
+    if state.is_file():
+        cfg = json.loads(state.read_text()).get("config")
+        if isinstance(cfg, dict):
+            return cfg, str(state)
+    for folder in (Path(model_arg), Path(model_dir).parent):
+        f = folder / "config.yaml"
+        if f.is_file():
+            return yaml.safe_load(f.read_text()) or {}, str(f)
+    return None, None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_dist.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model dir, checkpoint dir, or training output_dir")
     p.add_argument("--data", help="prompt file (.jsonl/.json/.parquet/hf:NAME); default: the config's eval split")
-    p.add_argument("--config", help="YAML config for prompt template, rewards and sampling (default: defaults)")
+    p.add_argument("--config", help="YAML config for prompt template, rewards and sampling (default: the training "
+                   "run's own config when --model is an output_dir or a checkpoint, else the defaults)")
     p.add_argument("--num-samples", type=int, default=0, help="K sampled completions per problem for pass@k")
     p.add_argument("--limit", type=int, help="evaluate only the first N problems")
     p.add_argument("--batch-size", type=int, default=64, help="problems generated at once per rank (greedy)")
@@ -153,7 +179,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
-    from grpo_dist.data import DataError, load_examples
+    from grpo_dist.data import DataError, load_examples, truncate_long_prompts
     from grpo_dist.decoder import prepare_replica
     from grpo_dist.models import load_model, load_tokenizer
     from grpo_dist.rewards import RewardComputer
@@ -166,7 +192,12 @@ def main(argv=None) -> int:
         overrides.append(f"data.eval_path={args.data}")
     try:
         model_dir = resolve_model_dir(args.model)
-        cfg = load_config(args.config, overrides + [f"model.name_or_path={model_dir}"])
+        run_cfg, source = (None, None) if args.config else run_config(args.model, model_dir)
+        if source:
+            print(f"grpo_dist.evaluate: using the training run's config from {source} (--config to override)",
+                  file=sys.stderr)
+            run_cfg = {k: v for k, v in run_cfg.items() if k not in _RUN_ONLY_KEYS}
+        cfg = load_config(args.config, overrides + [f"model.name_or_path={model_dir}"], base=run_cfg)
         cfg.model.tiny = None
     except (ConfigError, FileNotFoundError) as e:
         print(f"grpo_dist.evaluate: {e}", file=sys.stderr)
@@ -180,6 +211,7 @@ def main(argv=None) -> int:
             raise DataError("no evaluation problems: pass --data FILE, or use a config whose data preset has a "
                             "held-out split (gsm8k, math, arithmetic) or sets data.eval_path")
         examples = examples[:args.limit] if args.limit else examples
+        examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, tokenizer).to(ctx.device)

@@ -8,6 +8,7 @@ character, or a small byte-level BPE) or loaded from a local directory.
 from __future__ import annotations
 
 import string
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -131,8 +132,19 @@ def load_tokenizer(cfg: ModelConfig):
             raise ConfigError("set 'model.name_or_path' (an HF model) or 'model.tiny' (a random model to build)")
         return prepare_tokenizer(build_tiny_tokenizer(cfg))
     src = cfg.tokenizer or cfg.name_or_path
-    return prepare_tokenizer(AutoTokenizer.from_pretrained(src, padding_side="left",
-                                                           trust_remote_code=cfg.trust_remote_code))
+    with _named_source("model.tokenizer" if cfg.tokenizer else "model.name_or_path", src):
+        tok = AutoTokenizer.from_pretrained(src, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+    return prepare_tokenizer(tok)
+
+
+@contextmanager
+def _named_source(key: str, value: str):
+    """transformers' OSError for a missing repo / no connection / missing files, as one line naming the key."""
+    try:
+        yield
+    except OSError as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"config key '{key}' = {value}: cannot load it: {first}") from None
 
 
 def load_on_rank0_only(cfg, world_size: int) -> bool:
@@ -178,7 +190,8 @@ def load_model(cfg: ModelConfig, tokenizer, on_meta: bool = False) -> torch.nn.M
         except OSError:
             pass
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+        with _named_source("model.name_or_path", cfg.name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -2,16 +2,21 @@
 
 Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes: 0 done, 2 bad config or data,
 3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or gradient (the last checkpoint is
-intact), 75 stopped by SIGTERM/SIGUSR1 after writing a checkpoint (requeue and resume with
-resume_from_checkpoint=auto).
+intact), 75 stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a checkpoint (requeue and resume
+with resume_from_checkpoint=auto). Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh and the sbatch
+scripts pass the workers' code through.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
+
+# Set by the launchers: each rank writes its exit code into this folder (see _report).
+EXIT_CODE_DIR_ENV = "GRPO_DIST_EXIT_CODE_DIR"
 
 
 def parse_args(argv=None):
@@ -25,38 +30,64 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
-    from grpo_dist.data import DataError
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
-        return 2
+        return _report(2)
 
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist
-    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError
+    from grpo_dist import preflight
+    from grpo_dist.checkpoint import CheckpointError
+    from grpo_dist.data import DataError
+    from grpo_dist.runlock import stop_when_parent_dies
+    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError, RewardFunctionError
 
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
-
+    stop_when_parent_dies()
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
+    code, lock = 1, None
     try:
+        lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on
         if ctx.is_main:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
             cfg.save(Path(cfg.output_dir) / "config.yaml")
         trainer = GRPOTrainer(cfg, ctx)
         code = trainer.train()
-    except (ConfigError, DataError) as e:
-        print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        if ctx.is_main and code == 0:
+            print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
+                  f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
+    except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
+        # these are raised on every rank from one shared verdict: printed once, by rank 0
+        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError)):
+            kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
+            print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
     except NonFiniteError as e:
         print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         code = NONFINITE_EXIT_CODE
     finally:
         gdist.cleanup()
+        if lock is not None:
+            lock.release()
+        _report(code)
     # Skip the interpreter's final garbage collection over every torch/transformers object (seconds on a busy
     # host), which would eat into a preemption's grace period; everything is written and closed by now.
     gc.freeze()
+    return code
+
+
+def _report(code: int) -> int:
+    """Under the launchers (launch/torchrun.sh, the sbatch scripts), write this rank's exit code where they read
+    it: torchrun itself exits 1 whatever its workers returned."""
+    folder = os.environ.get(EXIT_CODE_DIR_ENV)
+    if folder:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
+        except OSError:
+            pass  # the launcher then reports torchrun's own status
     return code
 
 

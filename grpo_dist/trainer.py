@@ -31,7 +31,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
 from grpo_dist.config import ConfigError, GRPOConfig
-from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
+from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
@@ -49,6 +49,10 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient."""
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on every completion of a step."""
+
+
 class Timer:
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -64,6 +68,11 @@ class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        # Data and reward functions first: their mistakes are named before minutes of model loading.
+        self.train_examples = self._load_split("train")
+        self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
@@ -94,10 +103,6 @@ class GRPOTrainer:
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
-        self.train_examples = load_examples(cfg.data, "train")
-        self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
-        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
-        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.step = 0
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
@@ -114,13 +119,29 @@ class GRPOTrainer:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
+    def _load_split(self, split: str):
+        examples = load_examples(self.cfg.data, split)
+        where = (self.cfg.data.path if split == "train" else self.cfg.data.eval_path) or \
+            f"data.preset={self.cfg.data.preset} ({split})"
+        return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
+
     def _maybe_resume(self) -> None:
-        path = None
-        if self.ctx.is_main:
-            path = ckpt.resolve_resume_path(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
-        path = gdist.broadcast_object(str(path) if path else None)
+        path, note, error = None, "", None
+        if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict
+            try:
+                path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
+                                                     self.cfg.verify_checkpoint_hashes)
+                if path is not None:
+                    ckpt.check_model_shape(path, self.gen_model.config)
+            except ckpt.CheckpointError as e:
+                error = str(e)
+        path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
+        if error:
+            raise ckpt.CheckpointError(error)
         if path is None:
             return
+        if note and self.ctx.is_main:
+            print(f"[grpo_dist] {path}: {note}", flush=True)
         saved = ckpt.read_trainer_state(Path(path))
         # Checked before any weight is read: a different world size resumes only where the state maps onto it.
         try:
@@ -132,6 +153,9 @@ class GRPOTrainer:
                 hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
             raise DataError(f"{path}: {e}{hint}") from None
         state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
+        self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
+        if self.ctx.is_main:
+            self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
@@ -145,6 +169,24 @@ class GRPOTrainer:
             note = "" if state["rng_restored"] else (f" (written by {state['world_size']} ranks, now "
                                                      f"{self.ctx.world_size}: sampling RNG reseeded)")
             print(f"[grpo_dist] resumed from {path} at step {self.step}{note}", flush=True)
+
+    def _log_config_changes(self, saved: dict, path: str) -> None:
+        """One line per setting that differs from the checkpoint's config (what the user changed on resume)."""
+        from grpo_dist.engines import OPTIMIZER_KEYS, SCHEDULE_KEYS
+
+        def flat(d, prefix=""):
+            for k, v in d.items():
+                if isinstance(v, dict) and k in ("model", "data", "distributed"):
+                    yield from flat(v, f"{prefix}{k}.")
+                else:
+                    yield f"{prefix}{k}", v
+        old, new = dict(flat(saved)), dict(flat(self.cfg.to_dict()))
+        for key in sorted(set(old) & set(new)):
+            if old[key] != new[key] and key not in ("resume_from_checkpoint", "output_dir"):
+                applied = " (applied to the restored optimizer / LR schedule)" if key in OPTIMIZER_KEYS + \
+                    SCHEDULE_KEYS else ""
+                print(f"[grpo_dist] resume: {key} changed since {Path(path).name}: {old[key]!r} -> {new[key]!r}"
+                      f"{applied}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
@@ -185,15 +227,30 @@ class GRPOTrainer:
             batch = self.rollout(self.sampler.next_batch())
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references)
+        reward_errors = self._reward_errors(len(rewards))  # before the update: a broken function stops the run
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
+        metrics.update(reward_errors)
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
         return metrics
+
+    def _reward_errors(self, n_local: int) -> dict:
+        """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a
+        function failed on all of them (reward_fail_on_all_errors): that is a broken function, not a bad model."""
+        names = self.rewards.names
+        s = gdist.all_reduce_sum([self.rewards.last_errors.get(k, 0) for k in names] + [n_local], self.ctx.device)
+        total = int(s[-1])
+        for name, count in zip(names, s[:-1]):
+            if self.cfg.reward_fail_on_all_errors and total and int(count) == total:
+                raise RewardFunctionError(
+                    f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
+                    f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
+        return {f"reward_errors/{name}": int(count) for name, count in zip(names, s[:-1])}
 
     def rollout(self, examples) -> RolloutBatch:
         cfg = self.cfg
@@ -346,7 +403,7 @@ class GRPOTrainer:
             "completion_length_mean": float(s[4] / n),
             "completion_length_max": float(mx[0]),
             "truncated_fraction": float(s[13] / n),
-            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: seed 001's length ratio
+            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: the length ratio (README)
             "zero_advantage_fraction": float(s[5] / s[6]),
             "loss": float(s[7]),
             "policy_loss": float(s[8] / tok),

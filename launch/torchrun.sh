@@ -94,4 +94,38 @@ if [ -n "${DRY_RUN:-}" ]; then
   exit 0
 fi
 echo "$PROG: $NNODES node(s) x $NPROC_PER_NODE process(es): ${CMD[*]}" >&2
-exec "${CMD[@]}"
+
+# torchrun exits 1 whenever a worker fails, whatever the worker returned. Each worker writes its own exit code
+# into GRPO_DIST_EXIT_CODE_DIR (grpo_dist.train); pass on the lowest rank's non-zero code: 2 bad config or data,
+# 3 non-finite loss, 75 preempted (torchrun's own status when no worker wrote one, e.g. all were killed).
+worker_code() { # worker_code DIR TORCHRUN_STATUS
+  local f c
+  if [ "$2" != 0 ]; then
+    for f in $(ls "$1" 2>/dev/null | sort -V); do
+      c=$(cat "$1/$f" 2>/dev/null || true)
+      if [[ $c =~ ^[0-9]+$ ]] && [ "$c" != 0 ]; then
+        echo "$c"
+        return
+      fi
+    done
+  fi
+  echo "$2"
+}
+GRPO_DIST_EXIT_CODE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/grpo_dist-exit.XXXXXX")
+export GRPO_DIST_EXIT_CODE_DIR
+trap 'rm -rf "$GRPO_DIST_EXIT_CODE_DIR"' EXIT
+"${CMD[@]}" &
+PID=$!
+# pass signals on to torchrun (which passes them to the workers: SIGTERM/SIGUSR1 -> checkpoint, exit 75)
+for sig in TERM INT HUP QUIT USR1; do
+  # shellcheck disable=SC2064
+  trap "kill -$sig $PID 2>/dev/null || true" "$sig"
+done
+while :; do
+  rc=0
+  wait "$PID" || rc=$?
+  # wait returns early (status > 128) when a trapped signal arrives; torchrun may still run
+  if [ "$rc" -gt 128 ] && kill -0 "$PID" 2>/dev/null; then continue; fi
+  break
+done
+exit "$(worker_code "$GRPO_DIST_EXIT_CODE_DIR" "$rc")"

@@ -13,3 +13,35 @@ def exact(completion: str, reference: str) -> float:
 def char_parity(completion: str, reference: str) -> float:
     """Varies from completion to completion of random text (so groups are not flat)."""
     return float(sum(map(ord, completion)) % 2)
+
+
+def broken(completion: str, reference: str) -> float:
+    raise KeyError("no such field")
+
+
+def returns_none(completion: str, reference: str):
+    return None
+
+
+def returns_bad(completion: str, reference: str):
+    """A different wrong value per completion: NaN, inf, a string, a list; a number for a quarter of them."""
+    return [float("nan"), float("inf"), "1.0", [1.0, 0.0], 1.0][len(completion) % 5]
+
+
+def slow(completion: str, reference: str) -> float:
+    import time
+    time.sleep(30)
+    return 1.0
+
+
+def broken_on_rank0(completion: str, reference: str) -> float:
+    """Fails where BROKEN_RANK names this rank (or 'all'); scores 1 elsewhere."""
+    import os
+    which = os.environ.get("BROKEN_RANK", "")
+    if which == "all" or which == os.environ.get("RANK"):
+        raise RuntimeError("broken here")
+    return 1.0
+
+
+def always_one(completion: str, reference: str) -> float:
+    return 1.0

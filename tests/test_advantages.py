@@ -7,7 +7,7 @@ import torch
 from grpo_dist.advantages import ADV_EPS, group_advantages, zero_advantage_groups
 
 
-def test_seed_000_example():
+def test_worked_example():
     adv = group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 4)
     assert torch.allclose(adv, torch.tensor([0.8659, 0.8659, -0.8659, -0.8659]), atol=1e-4)
 

@@ -66,3 +66,17 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
               f"output_dir={tmp_path / 'out'}", "data.preset=null", f"data.path={data}", "reward_workers=0"])
     assert r.returncode == 2
     assert f"{data}:3" in r.stderr
+
+
+def test_smoke_config_updates_the_model(tmp_path):
+    """The smoke config as shipped (one process) produces a gradient: its rewards vary within groups, so the run
+    exercises a real update, not a string of zero-gradient steps. It ends saying where its outputs are."""
+    out = tmp_path / "smoke"
+    r = _run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml", f"output_dir={out}",
+              "progress_bar=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4
+    assert max(m["grad_norm"] for m in metrics) > 0, [m["grad_norm"] for m in metrics]
+    assert min(m["zero_advantage_fraction"] for m in metrics) < 1
+    assert f"outputs in {out.resolve()}" in r.stdout

@@ -89,3 +89,32 @@ def test_cli_two_ranks_match_one_process(tmp_path):
     assert one["num_examples"] == 11
     assert one["accuracy"] == pytest.approx(last["accuracy"])
     assert 0.0 < one["accuracy"] < 1.0  # a real mix, so a wrong split or reduction would show
+
+
+def test_output_dir_without_config_uses_the_runs_config(tmp_path):
+    """A run trained with its own reward function (here: always full marks) is evaluated with that function when
+    --model is its output_dir or a checkpoint and no --config is given; the defaults (math_reward) would give 0 for
+    a tiny random model."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH",
+                                                                                                       "")]))
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml", f"output_dir={out}",
+                    "max_steps=1", "save_steps=0", "reward_workers=0", "progress_bar=false",
+                    "rewards=[{function: 'reward_fns:always_one'}]"], cwd=root, env=env, check=True,
+                   capture_output=True, timeout=300)
+    for model in (out, out / "checkpoint-1"):
+        r = subprocess.run([sys.executable, "-m", "grpo_dist.evaluate", "--model", str(model), "--limit", "4",
+                            "reward_workers=0"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert _json.loads(r.stdout.splitlines()[-1])["accuracy"] == 1.0
+        assert "using the training run's config" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "grpo_dist.evaluate", "--model", str(out), "--limit", "4",
+                        "--config", "configs/smoke_cpu.yaml", "reward_workers=0"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert _json.loads(r.stdout.splitlines()[-1])["accuracy"] == 0.0  # an explicit --config still wins

@@ -248,3 +248,18 @@ def test_bash_syntax(script):
 def test_shellcheck():
     r = subprocess.run(["shellcheck", "-x", *ALL_SCRIPTS], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- exit codes through torchrun
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,env,code", [
+    (["rewards=[{function: 'grpo_dist.rewards:no_such_reward'}]"], {}, 2),          # bad config: 2, not 1
+    (["max_consecutive_nonfinite=1"], {"GRPO_DIST_FAULT": "nan@step1"}, 3),          # non-finite: 3, not 1
+])
+def test_torchrun_sh_passes_the_workers_exit_code(tmp_path, args, env, code):
+    """Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh returns the workers' own code."""
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    r = run(TORCHRUN, CONFIG, f"output_dir={tmp_path / 'run'}", "max_steps=2", "reward_workers=0",
+            "progress_bar=false", *args, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **env)
+    assert r.returncode == code, r.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Log-probs and the GRPO loss against formulas written out here (seed 002: clipped ratio + beta * k3 KL)."""
+"""Log-probs and the GRPO loss against formulas written out here (the GRPO objective of DeepSeekMath: clipped
+ratio + beta * k3 KL)."""
 
 import math
 
@@ -61,7 +62,7 @@ def test_entropy_from_the_log_prob_pass_equals_the_sampling_distribution_entropy
 
 
 def _per_token_reference(logp, old, ref, adv, mask, beta, eps_lo, eps_hi):
-    """The loss of seed 002 written out element by element."""
+    """The GRPO loss written out element by element."""
     B, T = logp.shape
     out = [[0.0] * T for _ in range(B)]
     for i in range(B):

@@ -71,6 +71,10 @@ class Engine:
     def load_scheduler_state(self, state: dict) -> None:
         raise NotImplementedError
 
+    def apply_optimizer_settings(self, cfg) -> None:
+        """After a resume: the configured AdamW settings and LR schedule replace the checkpoint's."""
+        apply_optimizer_settings(getattr(self, "base_optimizer", None) or self.optimizer, self.scheduler, cfg)
+
 
 def lr_lambda(warmup_steps: int, total_steps: int, kind: str):
     """Multiplier of the base LR at optimizer step s: linear warmup, then constant / linear / cosine decay to 0."""
@@ -98,6 +102,25 @@ def adamw_with_schedule(cfg, params):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total,
                                                                        cfg.lr_scheduler_type))
     return optimizer, scheduler
+
+
+OPTIMIZER_KEYS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+SCHEDULE_KEYS = ("warmup_steps", "lr_scheduler_type", "max_steps", "num_iterations")
+
+
+def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
+    """Make a restored optimizer and LR schedule follow the configured values (a resume restores the checkpoint's
+    param groups and base LRs). The schedule's lambda is always built from the configured warmup/type/length; its
+    position (last_epoch) stays the checkpoint's, so the LR is the new base LR times the new schedule at that step."""
+    for g in optimizer.param_groups:
+        g.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
+                 initial_lr=cfg.learning_rate)
+    scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+    position = max(scheduler.last_epoch, 0)
+    lrs = [base * fn(position) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:

@@ -3,14 +3,17 @@
 ``math_reward`` / ``extract_answer`` grade math answers (see
 :mod:`grpo_dist.rewards.math`); ``RewardComputer`` grades batches in worker
 processes with a hard per-item time limit (see :mod:`grpo_dist.rewards.grading`);
-``resolve_reward_function`` turns a ``"module:function"`` spec into a callable.
+``resolve_reward_function`` turns a ``"module:function"`` spec into a callable;
+``digit_overlap`` is a partial-credit shaping reward (:mod:`grpo_dist.rewards.shaping`).
 
 ``math_reward`` and ``extract_answer`` are re-exported lazily so that a reward
 worker that only runs other functions does not pay for importing sympy.
 """
 from grpo_dist.rewards.grading import RewardComputer, resolve_reward_function
 
-__all__ = ["math_reward", "extract_answer", "resolve_reward_function", "RewardComputer"]
+from grpo_dist.rewards.shaping import digit_overlap
+
+__all__ = ["math_reward", "extract_answer", "digit_overlap", "resolve_reward_function", "RewardComputer"]
 
 
 def __getattr__(name):

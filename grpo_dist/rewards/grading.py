@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from typing import Callable
@@ -45,6 +46,7 @@ _START_TIMEOUT_S = 180.0   # a fresh worker must report ready within this time
 _MAX_ATTEMPTS = 2          # an item whose worker crashed is retried once
 _MAX_CHUNK = 32            # items per request to a worker
 _MAX_CHUNK_BYTES = 4 << 20
+_MAX_ERROR_CHARS = 4000    # of an error message / traceback sent back by a worker
 
 
 def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
@@ -67,19 +69,33 @@ def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
     return obj
 
 
-def _as_score(v) -> float:
+def _check_score(v) -> tuple[float, str | None]:
+    """(score, None) for a finite number; (0.0, what is wrong) for anything else."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+        hint = " (a reward function scores one completion: fn(completion, reference) -> float)" \
+            if isinstance(v, (list, tuple)) else ""
+        return 0.0, f"returned {type(v).__name__} {_short(v)}, not a number{hint}"
     try:
         f = float(v)
-    except (TypeError, ValueError, OverflowError):
-        return 0.0
-    return f if math.isfinite(f) else 0.0
+    except (TypeError, ValueError, OverflowError) as e:
+        return 0.0, f"returned {type(v).__name__} {_short(v)}: {e}"
+    if not math.isfinite(f):
+        return 0.0, f"returned {f}"
+    return f, None
 
 
-def _call_safely(fn, completion, reference) -> float:
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _call_safely(fn, completion, reference) -> tuple[float, str | None]:
+    """(score, error): a function that raises or returns a non-number scores 0.0, with the reason (a traceback for
+    an exception)."""
     try:
-        return _as_score(fn(completion, reference))
-    except Exception:  # noqa: BLE001 - a failing reward scores 0.0
-        return 0.0
+        return _check_score(fn(completion, reference))
+    except Exception:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
+        return 0.0, "raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]
 
 
 # --------------------------------------------------------------------------- worker side
@@ -124,9 +140,9 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
             for spec, completion, reference in req["items"]:
                 try:
                     fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
-                    score, err = _as_score(fn(completion, reference)), None
-                except Exception as e:  # noqa: BLE001
-                    score, err = 0.0, f"{type(e).__name__}: {e}"[:300]
+                    score, err = _call_safely(fn, completion, reference)
+                except Exception as e:  # noqa: BLE001 - resolving the spec failed
+                    score, err = 0.0, f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
                 out = {"v": score}
                 if err:
                     out["e"] = err
@@ -229,14 +245,15 @@ class _Pool:
         self.stats["restarts"] += 1
         self.workers.append(_Worker())
 
-    def grade(self, tasks: list) -> list:
-        """tasks: [(spec, completion, reference)] -> scores.
+    def grade(self, tasks: list) -> tuple[list, list]:
+        """tasks: [(spec, completion, reference)] -> (scores, errors: None or what went wrong, per item).
 
         Each ready worker gets a chunk of items; it answers one line per item, and
         the parent allows ``timeout_s`` per item (the clock restarts at each
         answer).  Raises RuntimeError if no worker can be started.
         """
         results = [0.0] * len(tasks)
+        self._errors = errors = [None] * len(tasks)
         attempts = [0] * len(tasks)
         pending = deque(range(len(tasks)))
         while pending or any(w.chunk for w in self.workers):
@@ -260,11 +277,13 @@ class _Pool:
                             w.ready = True
                             w.deadline = math.inf
                         elif w.chunk:
-                            results[w.chunk.popleft()] = _as_score(msg.get("v", 0.0))
+                            i = w.chunk.popleft()
+                            results[i], errors[i] = float(msg.get("v", 0.0)), msg.get("e")
                             w.deadline = time.monotonic() + self.timeout_s if w.chunk else math.inf
                 elif time.monotonic() >= w.deadline:
                     if w.chunk:  # hard time limit: kill, score the item 0, requeue the rest
-                        results[w.chunk.popleft()] = 0.0
+                        i = w.chunk.popleft()
+                        results[i], errors[i] = 0.0, f"timed out after {self.timeout_s:g} s (reward_timeout_s)"
                         pending.extendleft(reversed(w.chunk))
                         w.chunk.clear()
                         self.stats["timeouts"] += 1
@@ -272,7 +291,7 @@ class _Pool:
                     else:
                         self._replace(w)
                         raise RuntimeError("reward worker did not start in time")
-        return results
+        return results, errors
 
     def _assign(self, w, tasks, pending, attempts):
         size = max(1, min(_MAX_CHUNK, len(pending) // (2 * len(self.workers))))
@@ -298,6 +317,8 @@ class _Pool:
             pending.extendleft(reversed(w.chunk))
             if attempts[first] < _MAX_ATTEMPTS:
                 pending.appendleft(first)  # retried once; then it keeps the 0.0 score
+            else:
+                self._errors[first] = "the grading worker process died on this completion (twice)"
         w.chunk.clear()
         self._replace(w)
 
@@ -312,7 +333,8 @@ class RewardComputer:
     (``"name"`` optional; a bare spec string is accepted too).  ``num_workers=0``
     grades in-process (no hard time limit; ``math_reward`` bounds its own work).
     Calling returns ``(totals, {name: scores})``; an item that times out, or whose
-    function raises or returns a non-number, scores 0.0 for that function.
+    function raises or returns a non-number (None, NaN, inf, a string, a list),
+    scores 0.0 for that function and is counted in ``last_errors``.
     """
 
     def __init__(self, specs: list, num_workers: int = 1, timeout_s: float = 5.0):
@@ -349,6 +371,8 @@ class RewardComputer:
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
+        self.last_errors: dict = {name: 0 for name in self.names}
+        self._reported: set = set()
         self._pool = _Pool(self.num_workers, self.timeout_s) if self.num_workers > 0 else None
 
     @property
@@ -356,25 +380,34 @@ class RewardComputer:
         return dict(self._pool.stats) if self._pool else {}
 
     def __call__(self, completions: list, references: list):
+        """(totals, {name: scores}); what failed is in self.last_errors ({name: count}) and the first failure of
+        each function is printed once."""
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         completions = [c if isinstance(c, str) else "" for c in completions]
         references = [r if isinstance(r, str) else str(r) for r in references]
         n = len(completions)
-        per_fn: dict = {}
         with self._lock:
             if self._pool is not None:
                 tasks = [(spec, c, r) for spec in self.specs for c, r in zip(completions, references)]
                 try:
-                    flat = self._pool.grade(tasks)
+                    flat, errs = self._pool.grade(tasks)
                 except RuntimeError:  # workers cannot start: grade in-process rather than stall
-                    flat = [_call_safely(fn, c, r) for fn in self.functions
-                            for c, r in zip(completions, references)]
-                for k, name in enumerate(self.names):
-                    per_fn[name] = flat[k * n:(k + 1) * n]
+                    pairs = [_call_safely(fn, c, r) for fn in self.functions for c, r in zip(completions, references)]
+                    flat, errs = [p[0] for p in pairs], [p[1] for p in pairs]
             else:
-                for name, fn in zip(self.names, self.functions):
-                    per_fn[name] = [_call_safely(fn, c, r) for c, r in zip(completions, references)]
+                pairs = [_call_safely(fn, c, r) for fn in self.functions for c, r in zip(completions, references)]
+                flat, errs = [p[0] for p in pairs], [p[1] for p in pairs]
+        per_fn = {name: flat[k * n:(k + 1) * n] for k, name in enumerate(self.names)}
+        self.last_errors = {}
+        for k, name in enumerate(self.names):
+            mine = [e for e in errs[k * n:(k + 1) * n] if e]
+            self.last_errors[name] = len(mine)
+            if mine and name not in self._reported:
+                self._reported.add(name)
+                print(f"[grpo_dist] reward function '{name}' ({self.specs[k]}) failed on {len(mine)} of {n} "
+                      f"completions, scored 0; the first failure (printed once, all are counted in the metric "
+                      f"reward_errors/{name}): {mine[0]}", file=sys.stderr, flush=True)
         totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
                   for i in range(n)]
         return totals, per_fn

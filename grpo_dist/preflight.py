@@ -1,0 +1,146 @@
+"""Checks that run before any model is loaded: each mistake found here ends the run with exit code 2 and one line
+naming the key, file or path, instead of a traceback minutes later.
+
+Rank 0 checks (and takes the output_dir lock, see runlock.py); every rank gets its verdict by broadcast, so all ranks
+stop together and the message is printed once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from grpo_dist import distributed as gdist
+from grpo_dist.config import ConfigError
+
+# What a previous run leaves in output_dir (metrics.py, checkpoint.py): a fresh run there needs consent.
+RUN_OUTPUTS = ("checkpoint-*", ".tmp-checkpoint-*", "metrics.jsonl", "tensorboard")
+# "name" or "org/name": what from_pretrained may look up on the Hugging Face Hub
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class AgreedError(ConfigError):
+    """A preflight error every rank raises (printed by rank 0 only)."""
+
+
+def run(cfg, ctx):
+    """Rank 0 runs every check and takes the output_dir lock; all ranks raise AgreedError on a problem. Returns the
+    held lock on rank 0 (None elsewhere); it must stay referenced for the life of the run."""
+    from grpo_dist.runlock import OutputDirInUse, OutputDirLock
+    error, lock = None, None
+    if ctx.is_main:
+        try:
+            check_output_dir(cfg.output_dir)
+            lock = OutputDirLock(cfg.output_dir)
+            note = lock.acquire()
+            if note:
+                print(f"[grpo_dist] {note}", flush=True)
+            check_previous_run(cfg)
+            check_resume_path(cfg.resume_from_checkpoint)
+            check_rewards(cfg.rewards)
+            check_model_source("model.name_or_path", cfg.model.name_or_path)
+            check_model_source("model.tokenizer", cfg.model.tokenizer)
+            for key in ("path", "eval_path"):
+                check_data_file(f"data.{key}", getattr(cfg.data, key))
+        except (ConfigError, OutputDirInUse) as e:
+            error = str(e)
+            if lock is not None:
+                lock.release()
+                lock = None
+    error = gdist.broadcast_object(error)
+    if error:
+        raise AgreedError(error)
+    return lock
+
+
+def check_output_dir(output_dir: str) -> None:
+    p = Path(output_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"config key 'output_dir' = {output_dir} is a file, not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".grpo_dist-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"config key 'output_dir' = {output_dir} is not writable: {e.strerror}") from None
+
+
+def check_previous_run(cfg) -> None:
+    """A fresh run in a used output_dir would append to the old metrics and a later auto-resume would continue the
+    old run: refuse, unless resuming, or overwrite_output_dir (the old checkpoints and metrics are deleted)."""
+    out = Path(cfg.output_dir)
+    found = sorted({q.name for pattern in RUN_OUTPUTS for q in out.glob(pattern)})
+    if not found or cfg.resume_from_checkpoint:
+        return
+    if not cfg.overwrite_output_dir:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ConfigError(f"output_dir {out} already holds a run ({shown}): set resume_from_checkpoint=auto to "
+                          f"continue it, overwrite_output_dir=true to start over (deletes its checkpoints and "
+                          f"metrics), or choose another output_dir")
+    for name in found:
+        q = out / name
+        shutil.rmtree(q) if q.is_dir() else q.unlink()
+    print(f"[grpo_dist] overwrite_output_dir: deleted {', '.join(found)} from {out}", flush=True)
+
+
+def check_resume_path(value) -> None:
+    if value and value != "auto" and not Path(value).is_dir():
+        what = "is not a directory" if Path(value).exists() else "does not exist"
+        raise ConfigError(f"config key 'resume_from_checkpoint' = {value} {what}")
+
+
+def check_rewards(rewards: list) -> None:
+    from grpo_dist.rewards import resolve_reward_function
+    for i, spec in enumerate(rewards):
+        try:
+            resolve_reward_function(spec["function"])
+        except ValueError as e:
+            raise ConfigError(f"config key 'rewards[{i}].function': {e}") from None
+
+
+def check_model_source(key: str, value) -> None:
+    """A local directory must exist; a Hub id must be reachable: in the local cache when offline."""
+    if value is None:
+        return
+    p = Path(value).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"config key '{key}' = {value} is a file; give the model directory")
+        return
+    if not _HUB_ID.match(value) or value.startswith((".", "~")):
+        raise ConfigError(f"config key '{key}' = {value}: no such directory")
+    if _offline() and not _in_hub_cache(value):
+        raise ConfigError(f"config key '{key}' = {value}: no such local directory, and not in the Hugging Face "
+                          f"cache while offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set): download it first or "
+                          f"give a local path")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str) or \
+            isinstance(try_to_load_from_cache(repo_id, "tokenizer_config.json"), str)
+    except Exception:  # noqa: BLE001 - an id the hub library rejects is not cached either
+        return False
+
+
+def check_data_file(key: str, value) -> None:
+    if not value or value.startswith("hf:"):
+        return
+    p = Path(value)
+    if not p.exists():
+        raise ConfigError(f"config key '{key}' = {value}: no such file")
+    if p.is_file():
+        try:
+            with open(p, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ConfigError(f"config key '{key}' = {value} cannot be read: {e.strerror}") from None
