@@ -138,22 +138,6 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def check_data_sources(cfg: DataConfig, with_eval: bool) -> None:
-    """Cheap checks, before any model or data set is loaded: explicit data files exist, and with a mirror, the
-    preset's files are there. Raises DataError naming the file."""
-    for key, path in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path if with_eval else None)):
-        if path is not None and not path.startswith("hf:") and not Path(path).is_file():
-            raise DataError(f"config key '{key}': data file not found: {path}"
-                            + (" (it is a directory)" if Path(path).is_dir() else ""))
-    preset = PRESETS.get(cfg.preset) if cfg.preset else None
-    if preset is None:
-        return
-    files = [preset.train, preset.exclude_from_train] if cfg.path is None else []
-    files += [preset.eval] if with_eval and cfg.eval_path is None else []
-    for rel in filter(None, files):
-        _preset_source(rel, cfg.preset)
-
-
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.default is not dataclasses.MISSING}
 
 

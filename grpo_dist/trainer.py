@@ -64,6 +64,10 @@ class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        # Data before any model: a wrong path or a missing preset file stops every rank in seconds, naming the file.
+        self.train_examples = load_examples(cfg.data, "train")
+        self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
@@ -94,9 +98,6 @@ class GRPOTrainer:
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
-        self.train_examples = load_examples(cfg.data, "train")
-        self.eval_examples = load_examples(cfg.data, "eval") if cfg.eval_steps else []
-        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.step = 0
         self.consecutive_nonfinite = 0
