@@ -109,6 +109,9 @@ class GRPOConfig:
     resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto' (the newest "
                                                "complete checkpoint in output_dir; start fresh if there is none)")
     logging_steps: int = _f(1, "print metrics every N steps (metrics.jsonl gets every step)")
+    log_completions: int = _f(4, "completions per step written to output_dir/completions.jsonl (prompt, completion, "
+                              "reward per function, advantage): rank 0's first rows, i.e. its first prompt's group; "
+                              "0: off")
     eval_steps: int = _f(0, "evaluate on data.eval_path every N steps (0: never)")
     report_to: list = _f(factory=lambda: ["jsonl"], help="metric sinks: jsonl, tensorboard, wandb")
     progress_bar: bool = _f(True, "tqdm bar on rank 0")
@@ -164,6 +167,8 @@ class GRPOConfig:
         for k in positive:
             if getattr(self, k) < 1:
                 raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.log_completions < 0:
+            raise ConfigError(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:

@@ -60,8 +60,9 @@ def _correct_flags(rewards, completions, references) -> list[bool]:
 
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
-                    batch_size: int = 64, bar=None) -> list[int]:
-    """Per example, how many of its num_samples completions are correct."""
+                    batch_size: int = 64, bar=None, sample_out: list | None = None) -> list[int]:
+    """Per example, how many of its num_samples completions are correct. sample_out, if given and empty, receives
+    (prompt, completion, reference, correct) of the first completion."""
     counts = []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
@@ -71,6 +72,8 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
                                   cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
                                   lean_decoder=cfg.lean_decoder)
         flags = _correct_flags(rewards, batch.completions, batch.references)
+        if sample_out is not None and not sample_out and batch.completions:
+            sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if bar is not None:
             bar.update(len(chunk))
@@ -78,13 +81,15 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64) -> float:
+def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
+                      sample_out: list | None = None) -> float:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
-    must call it (one all-reduce)."""
+    must call it (one all-reduce). sample_out: see _score_examples (this rank's first completion)."""
     was_training = model.training
     model.eval()  # no dropout while generating
     mine = examples[ctx.rank::ctx.world_size]
-    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size) if mine else []
+    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
+                             sample_out=sample_out) if mine else []
     total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
     model.train(was_training)
     return float(total[0] / max(float(total[1]), 1.0))

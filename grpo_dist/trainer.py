@@ -30,6 +30,7 @@ from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
 from grpo_dist.decoder import prepare_replica
@@ -107,6 +108,8 @@ class GRPOTrainer:
         self._maybe_resume()
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
+        self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step)
+        self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
 
     # --------------------------------------------------------------------------------------------------- setup
     @staticmethod
@@ -176,25 +179,38 @@ class GRPOTrainer:
                     break
         finally:
             self.logger.close()
+            self.completion_log.close()
             self.rewards.close()
         return exit_code
 
     def train_step(self) -> dict:
         timer = Timer()
         t0 = time.perf_counter()
+        examples = self.sampler.next_batch()
         with timer("rollout"):
-            batch = self.rollout(self.sampler.next_batch())
+            batch = self.rollout(examples)
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references)
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
+        self._log_completions(examples, batch, rewards, per_function)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
         return metrics
+
+    def _log_completions(self, examples, batch: RolloutBatch, rewards, per_function) -> None:
+        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes)."""
+        if not self.completion_log.enabled:
+            return
+        n = min(self.cfg.log_completions, len(batch))
+        G = self.cfg.num_generations
+        prompts = [render_prompt(examples[i // G], self.cfg.data, self.tokenizer) for i in range(n)]
+        self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
+                                  self.last_advantages.tolist(), batch.completion_lengths.tolist())
 
     def rollout(self, examples) -> RolloutBatch:
         cfg = self.cfg
@@ -223,6 +239,7 @@ class GRPOTrainer:
             mean = s[0] / s[2]
             batch_std = float(torch.sqrt((s[1] - s[2] * mean ** 2).clamp(min=0) / (s[2] - 1).clamp(min=1)))
         advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std).to(dev)
+        self.last_advantages = advantages.detach().cpu()
         flat_groups = zero_advantage_groups(rewards, G)
 
         rows = list(range(len(batch)))
@@ -368,7 +385,11 @@ class GRPOTrainer:
         from grpo_dist.evaluate import evaluate_accuracy
         self.engine.copy_weights_to(self.gen_model)
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
-        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards)
+        sample = []  # rank 0's first evaluation completion, shown on the console
+        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
+                                sample_out=sample if self.ctx.is_main else None)
+        if sample:
+            self.logger.write(format_sample(self.step, *sample[0]))
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:
