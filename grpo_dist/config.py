@@ -140,7 +140,8 @@ class GRPOConfig:
     loss_type: str = _f("token_mean", "loss aggregation",
                         ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"))
     num_iterations: int = _f(1, "updates per rollout batch (PPO epochs); >1 stores old log-probs")
-    logprob_chunk_size: int = _f(1024, "rows of logits turned into log-probs at once (memory bound)")
+    logprob_chunk_size: Optional[int] = _f(None, "rows of logits turned into log-probs at once (None: auto, as many "
+                                           "as 16 MiB of fp32 logits on a CPU, 512 MiB on a GPU; never more)")
     # Optimisation
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -163,10 +164,13 @@ class GRPOConfig:
     def validate(self) -> None:
         _check_choices(self, "")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
-                    "micro_batch_size", "logprob_chunk_size", "logging_steps", "max_consecutive_nonfinite"]
+                    "micro_batch_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
             if getattr(self, k) < 1:
                 raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ConfigError(f"config key 'logprob_chunk_size' must be >= 1 or null (auto), got "
+                              f"{self.logprob_chunk_size}")
         if self.log_completions < 0:
             raise ConfigError(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

@@ -129,6 +129,15 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 
+def generation_dtype(cfg, device) -> torch.dtype | None:
+    """On a GPU, the compute dtype of training (distributed.mixed_precision) for the parameters, as the trainer's
+    generation replica uses; None (the model's own dtype) on a CPU or without mixed precision."""
+    from grpo_dist.models import MIXED_PRECISION_DTYPES
+    if torch.device(device).type != "cuda":
+        return None
+    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
+
+
 def resolve_model_dir(path: str) -> str:
     """An HF model dir as is; a training output_dir -> its newest complete checkpoint."""
     p = Path(path)
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
     from grpo_dist.config import ConfigError, load_config
     from grpo_dist.data import DataError, load_examples
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import load_model, load_tokenizer
+    from grpo_dist.models import cast_parameters_, load_model, load_tokenizer
     from grpo_dist.rewards import RewardComputer
 
     if args.num_samples < 0 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
         examples = examples[:args.limit] if args.limit else examples
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, tokenizer).to(ctx.device)
+        model = cast_parameters_(load_model(cfg.model, tokenizer), generation_dtype(cfg, ctx.device)).to(ctx.device)
         prepare_replica(model)  # generation only, never saved: fuse q|k|v and gate|up for the lean decoder
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,

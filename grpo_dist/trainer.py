@@ -37,8 +37,8 @@ from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_only, load_tokenizer,
-                              materialize_meta)
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_on_rank0_only,
+                              load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
 
@@ -80,11 +80,8 @@ class GRPOTrainer:
         # compute dtype: rollouts then sample from the weights the training passes compute with, at half the
         # memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
         # would shift positions against the training forward more and more along the sequence.
-        self.gen_model = copy.deepcopy(policy).eval()
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        if compute_dtype is not None:
-            for p in self.gen_model.parameters():
-                p.data = p.data.to(compute_dtype)
+        self.gen_model = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
         if meta:
             materialize_meta(self.gen_model, ctx.device)
         self.gen_model.requires_grad_(False)
