@@ -37,8 +37,8 @@ from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_on_rank0_only,
-                              load_tokenizer, materialize_meta)
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
+                              load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
 
@@ -95,6 +95,8 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
+            if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
+                cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.step = 0
