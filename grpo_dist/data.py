@@ -79,7 +79,7 @@ def extract_reference(raw: str, answer_format: str) -> str:
 
 @dataclass(frozen=True)
 class _Preset:
-    train: Optional[str]            # file under the data dir (None: built in)
+    train: Optional[str]            # file in the offline mirror, a key of HUB_SOURCES (None: built in)
     eval: Optional[str]
     prompt_field: Optional[str] = None
     answer_field: Optional[str] = None
