@@ -247,7 +247,8 @@ def main(argv=None) -> None:
     ap.add_argument("--grades-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--gsm8k", default="/work/shared/data/gsm8k/test.jsonl")
+    ap.add_argument("--gsm8k", default=os.path.join(os.environ.get("GRPO_DIST_DATA_DIR", "data"), "gsm8k/test.jsonl"),
+                    help="GSM8K test file (default: from the $GRPO_DIST_DATA_DIR mirror)")
     ap.add_argument("--limit", type=int, default=1319, help="GSM8K references used for throughput")
     args = ap.parse_args(argv)
     if not args.skip_labelled:

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 HEADER = """\
 # Exact versions installed into the image (pip install -c docker/constraints.txt):
 # grpo_dist's dependencies and theirs, as tested in the project's CI venv.
-# torch is not listed: the image keeps the base image's CUDA build (or TORCH_SPEC).
+# torch is not listed: the Dockerfile's TORCH_SPEC (default: the version CI tests) installs it.
 # Refresh after changing setup.cfg: see docker/README.md."""
 
 

@@ -116,6 +116,9 @@ class GRPOConfig:
                                         "its manifest (rank 0 reads it all once, ~1.5 GB/s per file; auto-resume "
                                         "falls back to the previous intact checkpoint); false: sizes only")
     logging_steps: int = _f(1, "print metrics every N steps (metrics.jsonl gets every step)")
+    log_completions: int = _f(4, "completions per step written to output_dir/completions.jsonl (prompt, completion, "
+                              "reward per function, advantage): rank 0's first rows, i.e. its first prompt's group; "
+                              "0: off")
     eval_steps: int = _f(0, "evaluate on data.eval_path every N steps (0: never)")
     report_to: list = _f(factory=lambda: ["jsonl"], help="metric sinks: jsonl, tensorboard, wandb")
     progress_bar: bool = _f(True, "tqdm bar on rank 0")
@@ -147,7 +150,8 @@ class GRPOConfig:
     loss_type: str = _f("token_mean", "loss aggregation",
                         ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"))
     num_iterations: int = _f(1, "updates per rollout batch (PPO epochs); >1 stores old log-probs")
-    logprob_chunk_size: int = _f(1024, "rows of logits turned into log-probs at once (memory bound)")
+    logprob_chunk_size: Optional[int] = _f(None, "rows of logits turned into log-probs at once (None: auto, as many "
+                                           "as 16 MiB of fp32 logits on a CPU, 512 MiB on a GPU; never more)")
     # Optimisation
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -170,10 +174,15 @@ class GRPOConfig:
     def validate(self) -> None:
         _check_choices(self, "")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
-                    "micro_batch_size", "logprob_chunk_size", "logging_steps", "max_consecutive_nonfinite"]
+                    "micro_batch_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
             if getattr(self, k) < 1:
                 raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ConfigError(f"config key 'logprob_chunk_size' must be >= 1 or null (auto), got "
+                              f"{self.logprob_chunk_size}")
+        if self.log_completions < 0:
+            raise ConfigError(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:

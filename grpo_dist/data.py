@@ -19,8 +19,10 @@ to something other than ``raw``. To read a file with no preset logic at all, set
 An explicit ``data.path`` replaces the preset's training file; with the ``arithmetic`` preset (the config default) it
 replaces the built-in set entirely, so ``data.path=train.jsonl`` alone loads that file.
 
-Preset files live in the shared data directory: ``$GRPO_DIST_DATA_DIR`` if set, else the first existing of
-``<repo root>/../shared/data`` and ``/work/shared/data``.
+Preset data comes from the Hugging Face Hub through `datasets` (cached in HF_HOME after the first download):
+gsm8k = openai/gsm8k (config main), math500 = HuggingFaceH4/MATH-500, the MATH test set =
+DigitalLearningGmbH/MATH-lighteval (split test, 5000 problems). With ``$GRPO_DIST_DATA_DIR`` set, the files above
+are read from that folder instead (an offline mirror; the tests use one) and the Hub is never asked.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def extract_reference(raw: str, answer_format: str) -> str:
 
 @dataclass(frozen=True)
 class _Preset:
-    train: Optional[str]            # file under the data dir (None: built in)
+    train: Optional[str]            # file in the offline mirror, a key of HUB_SOURCES (None: built in)
     eval: Optional[str]
     prompt_field: Optional[str] = None
     answer_field: Optional[str] = None
@@ -96,30 +98,44 @@ PRESETS: dict[str, _Preset] = {
 }
 _MATH500_EVAL = ("problem", "answer", "raw")  # fields of math500 when used as the eval split of `math`
 
-
-def data_dir() -> Path:
-    """The shared data directory: $GRPO_DIST_DATA_DIR, else <repo root>/../shared/data, else /work/shared/data."""
-    env = os.environ.get("GRPO_DIST_DATA_DIR")
-    if env:
-        p = Path(env)
-        if not p.is_dir():
-            raise DataError(f"GRPO_DIST_DATA_DIR={env} is not a directory")
-        return p
-    repo_root = Path(__file__).resolve().parent.parent
-    candidates = [repo_root.parent / "shared" / "data", Path("/work/shared/data")]
-    for c in candidates:
-        if c.is_dir():
-            return c
-    raise DataError("shared data directory not found (looked in " + ", ".join(map(str, candidates)) +
-                    "); set GRPO_DIST_DATA_DIR to the folder holding gsm8k/, math500/, math_test5000/")
+# Where each preset file comes from on the Hub: (dataset, config, split). The mirror's files hold the same rows.
+HUB_SOURCES: dict[str, tuple[str, Optional[str], str]] = {
+    "gsm8k/train.jsonl": ("openai/gsm8k", "main", "train"),
+    "gsm8k/test.jsonl": ("openai/gsm8k", "main", "test"),
+    "math500/test.jsonl": ("HuggingFaceH4/MATH-500", None, "test"),
+    "math_test5000/test.jsonl": ("DigitalLearningGmbH/MATH-lighteval", "default", "test"),
+}
+DATA_DIR_ENV = "GRPO_DIST_DATA_DIR"
 
 
-def _preset_file(rel: str, preset: str) -> str:
-    p = data_dir() / rel
+def data_dir() -> Optional[Path]:
+    """The offline mirror of the preset data ($GRPO_DIST_DATA_DIR), or None: presets then load from the Hub."""
+    env = os.environ.get(DATA_DIR_ENV)
+    if not env:
+        return None
+    p = Path(env)
+    if not p.is_dir():
+        raise DataError(f"{DATA_DIR_ENV}={env} is not a directory")
+    return p
+
+
+def _preset_source(rel: str, preset: str) -> str:
+    """The mirror's file for `rel` when $GRPO_DIST_DATA_DIR is set, else an hf:NAME:CONFIG:SPLIT spec."""
+    root = data_dir()
+    if root is None:
+        name, config, split = HUB_SOURCES[rel]
+        return f"hf:{name}:{config}:{split}" if config else f"hf:{name}:{split}"
+    p = root / rel
     if not p.is_file():
-        raise DataError(f"data.preset={preset}: file {p} not found; set GRPO_DIST_DATA_DIR to the folder holding "
-                        f"{rel.split('/')[0]}/, or set data.path")
+        raise DataError(f"data.preset={preset}: file {p} not found; {DATA_DIR_ENV} must name a folder holding "
+                        f"{rel}, or unset it to load {HUB_SOURCES[rel][0]} from the Hugging Face Hub, or set "
+                        f"data.path")
     return str(p)
+
+
+def _normalise(text: str) -> str:
+    """Whitespace-insensitive key: MATH copies on the Hub and in mirrors differ in spacing, not in content."""
+    return " ".join(text.split())
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.default is not dataclasses.MISSING}
@@ -162,12 +178,19 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[PromptExample]:
             return _arithmetic_from_cfg(cfg, "train", limit)
         if preset is None:
             raise DataError("config key 'data.path' (or 'data.preset') must be set")
-        path = _preset_file(preset.train, cfg.preset)
-        exclude = None
-        if preset.exclude_from_train:
-            ex_path = _preset_file(preset.exclude_from_train, cfg.preset)
-            exclude = {e.prompt for e in _load_file(ex_path, "problem", "answer", "raw", None)}
-        return _load_file(path, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, limit, exclude)
+        path = _preset_source(preset.train, cfg.preset)
+        if not preset.exclude_from_train:
+            return _load_file(path, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, limit)
+        ex_path = _preset_source(preset.exclude_from_train, cfg.preset)
+        exclude = {_normalise(e.prompt) for e in _load_file(ex_path, *_MATH500_EVAL, None)}
+        rows = _load_file(path, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, None)
+        kept = [e for e in rows if _normalise(e.prompt) not in exclude]
+        found = len(exclude & {_normalise(e.prompt) for e in rows})
+        if found != len(exclude):  # else training and evaluation would share problems
+            raise DataError(f"data.preset={cfg.preset}: {path} holds {found} of the {len(exclude)} problems of "
+                            f"{ex_path} that must leave the training split; is it the MATH test set?")
+        kept = [dataclasses.replace(e, index=i) for i, e in enumerate(kept)]
+        return kept[:limit] if limit is not None else kept
 
     # eval
     if cfg.eval_path is not None:
@@ -176,14 +199,14 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[PromptExample]:
         return [] if cfg.path is not None else _arithmetic_from_cfg(cfg, "eval", None)
     if preset is None or preset.eval is None:
         return []
-    path = _preset_file(preset.eval, cfg.preset)
+    path = _preset_source(preset.eval, cfg.preset)
     if cfg.preset == "math":  # eval set is MATH-500, whose fields differ from the training file's
         return _load_file(path, *_MATH500_EVAL, None)
     return _load_file(path, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, None)
 
 
-def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: str, limit: Optional[int],
-               exclude_prompts: Optional[set] = None) -> list[PromptExample]:
+def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: str,
+               limit: Optional[int]) -> list[PromptExample]:
     if answer_format not in ("raw", "gsm8k", "boxed"):
         raise DataError(f"config key 'data.answer_format' = {answer_format!r} is not allowed; choose raw, gsm8k "
                         f"or boxed")
@@ -212,8 +235,6 @@ def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: s
             raise DataError(f"{ctx}: row is a {type(row).__name__}, not an object with fields "
                             f"'{prompt_field}' and '{answer_field}'")
         prompt = _field(row, prompt_field, ctx)
-        if exclude_prompts is not None and prompt in exclude_prompts:
-            continue
         raw_answer = _field(row, answer_field, ctx)
         try:
             answer = extract_reference(raw_answer, answer_format)
@@ -342,8 +363,12 @@ def _iter_hf(spec: str) -> Iterator[tuple[str, Any]]:
                         f"split to a .jsonl file and set data.path to it") from None
     try:
         ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # noqa: BLE001
-        raise DataError(f"data path {spec!r}: cannot load: {e}") from None
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, missing split: all end the run the same way
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        where = f"{name}" + (f" (config {config}, split {split})" if config else f" (split {split})")
+        raise DataError(f"cannot load the dataset {where} from the Hugging Face Hub: {type(e).__name__}: {reason}. "
+                        f"Offline, set {DATA_DIR_ENV} to a folder mirroring the preset files (gsm8k/, math500/, "
+                        f"math_test5000/), or export the split to a .jsonl file and set data.path") from None
     for i, row in enumerate(ds):
         yield f"row {i + 1}", row
 

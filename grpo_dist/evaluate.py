@@ -61,8 +61,9 @@ def _correct_flags(rewards, completions, references) -> list[bool]:
 
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
-                    batch_size: int = 64, bar=None) -> list[int]:
-    """Per example, how many of its num_samples completions are correct."""
+                    batch_size: int = 64, bar=None, sample_out: list | None = None) -> list[int]:
+    """Per example, how many of its num_samples completions are correct. sample_out, if given and empty, receives
+    (prompt, completion, reference, correct) of the first completion."""
     counts = []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
@@ -72,6 +73,8 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
                                   cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
                                   lean_decoder=cfg.lean_decoder)
         flags = _correct_flags(rewards, batch.completions, batch.references)
+        if sample_out is not None and not sample_out and batch.completions:
+            sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if bar is not None:
             bar.update(len(chunk))
@@ -79,13 +82,15 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64) -> float:
+def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
+                      sample_out: list | None = None) -> float:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
-    must call it (one all-reduce)."""
+    must call it (one all-reduce). sample_out: see _score_examples (this rank's first completion)."""
     was_training = model.training
     model.eval()  # no dropout while generating
     mine = examples[ctx.rank::ctx.world_size]
-    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size) if mine else []
+    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
+                             sample_out=sample_out) if mine else []
     total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
     model.train(was_training)
     return float(total[0] / max(float(total[1]), 1.0))
@@ -127,6 +132,15 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
+
+def generation_dtype(cfg, device) -> torch.dtype | None:
+    """On a GPU, the compute dtype of training (distributed.mixed_precision) for the parameters, as the trainer's
+    generation replica uses; None (the model's own dtype) on a CPU or without mixed precision."""
+    from grpo_dist.models import MIXED_PRECISION_DTYPES
+    if torch.device(device).type != "cuda":
+        return None
+    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
+
 
 def resolve_model_dir(path: str) -> str:
     """An HF model dir as is; a training output_dir -> its newest complete checkpoint."""
@@ -181,7 +195,7 @@ def main(argv=None) -> int:
     from grpo_dist.config import ConfigError, load_config
     from grpo_dist.data import DataError, load_examples, truncate_long_prompts
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import load_model, load_tokenizer
+    from grpo_dist.models import cast_parameters_, load_model, load_tokenizer
     from grpo_dist.rewards import RewardComputer
 
     if args.num_samples < 0 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
@@ -214,7 +228,7 @@ def main(argv=None) -> int:
         examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, tokenizer).to(ctx.device)
+        model = cast_parameters_(load_model(cfg.model, tokenizer), generation_dtype(cfg, ctx.device)).to(ctx.device)
         prepare_replica(model)  # generation only, never saved: fuse q|k|v and gate|up for the lean decoder
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,

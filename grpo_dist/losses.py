@@ -13,13 +13,19 @@ import torch
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
 
 
-# A chunk holds at most this many logits (16 MiB in fp32), whatever `chunk_size` asks: at vocabulary 151,936 that
-# is 27 rows, so the fp32 temporaries stay a few percent of the logits themselves.
+# A chunk holds at most this many logits (16 MiB in fp32) on a CPU, whatever `chunk_size` asks: at vocabulary
+# 151,936 that is 27 rows, so the fp32 temporaries stay a few percent of the logits themselves. On a GPU that size
+# means one small kernel launch after another (8192 completion rows = 300 chunks x ~5 kernels per pass), so CUDA
+# chunks may hold 32x more (512 MiB of fp32 temporaries, 883 rows at that vocabulary).
 CHUNK_ELEMENTS = 1 << 22
+CUDA_CHUNK_ELEMENTS = 1 << 27
 
 
-def _rows_per_chunk(chunk_size: int, vocab: int) -> int:
-    return max(1, min(chunk_size, CHUNK_ELEMENTS // max(vocab, 1)))
+def _rows_per_chunk(chunk_size: int | None, vocab: int, device=None) -> int:
+    """Rows per chunk: chunk_size (None: as many as the device's cap allows), capped at the device's logits."""
+    cap = CUDA_CHUNK_ELEMENTS if torch.device(device or "cpu").type == "cuda" else CHUNK_ELEMENTS
+    most = max(1, cap // max(vocab, 1))
+    return most if chunk_size is None else max(1, min(chunk_size, most))
 
 
 def _scaled_chunk(logits, s, e, temperature):
@@ -35,7 +41,7 @@ def _chunk_log_softmax(logits, s, e, temperature):
 
 def _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out=None):
     rows = logits.shape[0]
-    chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
+    chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1], logits.device)
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     for s in range(0, rows, chunk_size):
         e = s + chunk_size
@@ -60,7 +66,7 @@ class _SelectiveLogProb(torch.autograd.Function):
     def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits, entropy_out):
         out = _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out)
         ctx.save_for_backward(logits, labels)
-        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
+        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1], logits.device)
         ctx.temperature, ctx.overwrite = temperature, overwrite_logits
         return out
 
@@ -81,12 +87,13 @@ class _SelectiveLogProb(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None,
                         temperature: float = 1.0, overwrite_logits: bool = False,
                         entropy_out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V], labels [...] -> fp32 log_softmax(logits / temperature)[label] of shape [...], without a full
     fp32 log-softmax. Dividing by the sampling temperature makes these the log-probs the completions were drawn
-    with. chunk_size bounds the rows processed at once (further capped at CHUNK_ELEMENTS logits).
+    with. chunk_size bounds the rows processed at once (None: auto), capped at CHUNK_ELEMENTS logits on a CPU and
+    CUDA_CHUNK_ELEMENTS on a GPU.
 
     overwrite_logits=True (memory lever for the training pass): the backward stores the gradient in the logits'
     storage, so the logits hold garbage once backward has run; read them (e.g. entropy) before. Autograd still

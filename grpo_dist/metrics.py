@@ -20,7 +20,7 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _drop_steps_after(path: Path, step: int) -> None:
+def drop_steps_after(path: Path, step: int) -> None:
     """Remove the lines of steps > `step` (logged by a run that crashed after its last checkpoint)."""
     if not path.is_file():
         return
@@ -51,7 +51,7 @@ class MetricsLogger:
         if "jsonl" in report_to:
             path = out / "metrics.jsonl"
             if start_step > 0:  # a resumed run redoes the steps after its checkpoint: log them once
-                _drop_steps_after(path, start_step)
+                drop_steps_after(path, start_step)
             self._jsonl = open(path, "a", buffering=1)
         if "tensorboard" in report_to:
             try:
@@ -98,6 +98,12 @@ class MetricsLogger:
             line = " ".join(f"{k}={_fmt(metrics[k])}" for k in ("step",) + CONSOLE_KEYS + ("eval_accuracy",)
                             if k in metrics)
             (self._bar.write if self._bar is not None else print)(line)
+            sys.stdout.flush()
+
+    def write(self, text: str) -> None:
+        """A free-form console message on rank 0 (through the progress bar when there is one)."""
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
             sys.stdout.flush()
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ character, or a small byte-level BPE) or loaded from a local directory.
 
 from __future__ import annotations
 
+import copy
 import string
 from contextlib import contextmanager
 from pathlib import Path
@@ -194,6 +195,26 @@ def load_model(cfg: ModelConfig, tokenizer, on_meta: bool = False) -> torch.nn.M
             model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def copy_in_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A deep copy of `model` whose parameters are created directly in `dtype` (None: their own dtype), never as a
+    full copy at the source dtype first: a 7B fp32 policy deep-copied before a bf16 cast would briefly need 28 GB
+    more on the GPU. Buffers are copied as they are (RoPE's inv_freq stays fp32, as FSDP's MixedPrecision keeps
+    it); tied parameters stay one parameter; the copy never shares storage with the source."""
+    memo: dict = {}
+    for p in model.parameters():  # tied weights are listed once, so they map to one new parameter
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def cast_parameters_(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Parameters to `dtype` in place (None: unchanged); buffers keep theirs (see copy_in_dtype)."""
+    if dtype is not None:
+        for p in model.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
     return model
 
 

@@ -30,14 +30,15 @@ from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
 from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_only, load_tokenizer,
-                              materialize_meta)
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
+                              load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
 
@@ -84,11 +85,8 @@ class GRPOTrainer:
         # compute dtype: rollouts then sample from the weights the training passes compute with, at half the
         # memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
         # would shift positions against the training forward more and more along the sequence.
-        self.gen_model = copy.deepcopy(policy).eval()
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        if compute_dtype is not None:
-            for p in self.gen_model.parameters():
-                p.data = p.data.to(compute_dtype)
+        self.gen_model = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
         if meta:
             materialize_meta(self.gen_model, ctx.device)
         self.gen_model.requires_grad_(False)
@@ -102,6 +100,8 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
+            if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
+                cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
         self.step = 0
         self.consecutive_nonfinite = 0
@@ -111,6 +111,8 @@ class GRPOTrainer:
         self._maybe_resume()
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
+        self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step)
+        self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
 
     # --------------------------------------------------------------------------------------------------- setup
     @staticmethod
@@ -217,14 +219,16 @@ class GRPOTrainer:
                     break
         finally:
             self.logger.close()
+            self.completion_log.close()
             self.rewards.close()
         return exit_code
 
     def train_step(self) -> dict:
         timer = Timer()
         t0 = time.perf_counter()
+        examples = self.sampler.next_batch()
         with timer("rollout"):
-            batch = self.rollout(self.sampler.next_batch())
+            batch = self.rollout(examples)
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references)
         reward_errors = self._reward_errors(len(rewards))  # before the update: a broken function stops the run
@@ -232,6 +236,7 @@ class GRPOTrainer:
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
+        self._log_completions(examples, batch, rewards, per_function)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
         metrics.update(reward_errors)
         step_time = time.perf_counter() - t0
@@ -251,6 +256,16 @@ class GRPOTrainer:
                     f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
                     f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
         return {f"reward_errors/{name}": int(count) for name, count in zip(names, s[:-1])}
+
+    def _log_completions(self, examples, batch: RolloutBatch, rewards, per_function) -> None:
+        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes)."""
+        if not self.completion_log.enabled:
+            return
+        n = min(self.cfg.log_completions, len(batch))
+        G = self.cfg.num_generations
+        prompts = [render_prompt(examples[i // G], self.cfg.data, self.tokenizer) for i in range(n)]
+        self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
+                                  self.last_advantages.tolist(), batch.completion_lengths.tolist())
 
     def rollout(self, examples) -> RolloutBatch:
         cfg = self.cfg
@@ -279,6 +294,7 @@ class GRPOTrainer:
             mean = s[0] / s[2]
             batch_std = float(torch.sqrt((s[1] - s[2] * mean ** 2).clamp(min=0) / (s[2] - 1).clamp(min=1)))
         advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std).to(dev)
+        self.last_advantages = advantages.detach().cpu()
         flat_groups = zero_advantage_groups(rewards, G)
 
         rows = list(range(len(batch)))
@@ -424,7 +440,11 @@ class GRPOTrainer:
         from grpo_dist.evaluate import evaluate_accuracy
         self.engine.copy_weights_to(self.gen_model)
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
-        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards)
+        sample = []  # rank 0's first evaluation completion, shown on the console
+        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
+                                sample_out=sample if self.ctx.is_main else None)
+        if sample:
+            self.logger.write(format_sample(self.step, *sample[0]))
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:

@@ -17,8 +17,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 def _data_available() -> bool:
     try:
-        data_dir()
-        return True
+        return data_dir() is not None  # the offline mirror; without it presets would ask the Hub
     except DataError:
         return False
 

@@ -11,8 +11,10 @@ from grpo_dist.config import DataConfig
 from grpo_dist.data import (DataError, PromptExample, PromptSampler, extract_reference, load_examples,
                             render_prompt, resolve_data_config, synthetic_arithmetic)
 
-SHARED = Path(os.environ.get("GRPO_DIST_DATA_DIR", "/work/shared/data"))
-needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "test.jsonl").is_file(), reason="shared data not present")
+# The offline mirror of the preset data (.ci/run points it at ../shared/data); the tests that read it skip without it.
+SHARED = Path(os.environ.get("GRPO_DIST_DATA_DIR") or "/nonexistent-grpo-dist-data")
+needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "test.jsonl").is_file(),
+                                  reason="GRPO_DIST_DATA_DIR (the offline data mirror) is not set")
 
 
 def cfg(**kw) -> DataConfig:
@@ -70,6 +72,79 @@ def test_env_data_dir(monkeypatch, tmp_path):
     assert load_examples(cfg(preset="gsm8k")) == [PromptExample("1+1?", "1002", 0)]
     with pytest.raises(DataError, match="test.jsonl"):
         load_examples(cfg(preset="gsm8k"), "eval")
+
+
+# ------------------------------------------------------------------------------------------------ Hub presets
+
+def _fake_hub(monkeypatch, tables: dict):
+    """datasets.load_dataset answering from in-memory tables {(name, config, split): rows}, like the Hub would;
+    records what was asked. An unknown key raises like an offline machine does."""
+    import datasets
+    asked = []
+
+    def load_dataset(name, config=None, split=None, **kw):
+        asked.append((name, config, split))
+        if (name, config, split) not in tables:
+            raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+        return datasets.Dataset.from_list(tables[(name, config, split)])
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.delenv("GRPO_DIST_DATA_DIR", raising=False)
+    return asked
+
+
+MATH500 = [{"problem": "Find $x$ if $2x = 4$.", "answer": "2", "solution": "so \\boxed{2}"},
+           {"problem": "What is $1+1$?", "answer": "2", "solution": "\\boxed{2}"}]
+MATH_TEST = [{"problem": "Find $x$ if  $2x = 4$.\n", "solution": "x = \\boxed{2}"},   # MATH-500's, spaced differently
+             {"problem": "Compute $3^2$.", "solution": "It is \\boxed{9}."},
+             {"problem": "What is $1+1$?", "solution": "\\boxed{2}"},
+             {"problem": "Simplify $\\frac{4}{8}$.", "solution": "\\boxed{\\frac{1}{2}}"}]
+
+
+def test_presets_load_from_the_hub_without_a_mirror(monkeypatch):
+    asked = _fake_hub(monkeypatch, {
+        ("openai/gsm8k", "main", "train"): [{"question": "Q1", "answer": "x\n#### 1,234"}, {"question": "Q2", "answer": "#### 5"}],
+        ("openai/gsm8k", "main", "test"): [{"question": "T1", "answer": "#### 7"}],
+        ("HuggingFaceH4/MATH-500", None, "test"): MATH500,
+        ("DigitalLearningGmbH/MATH-lighteval", "default", "test"): MATH_TEST})
+    assert load_examples(cfg(preset="gsm8k")) == [PromptExample("Q1", "1234", 0), PromptExample("Q2", "5", 1)]
+    assert load_examples(cfg(preset="gsm8k"), "eval") == [PromptExample("T1", "7", 0)]
+    assert asked == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert [(e.prompt, e.answer) for e in load_examples(cfg(preset="math500"))] == [
+        ("Find $x$ if $2x = 4$.", "2"), ("What is $1+1$?", "2")]
+    # math: the MATH test set minus the MATH-500 problems (matched whatever the spacing), re-indexed from 0
+    train = load_examples(cfg(preset="math"))
+    assert [(e.prompt, e.answer, e.index) for e in train] == [("Compute $3^2$.", "9", 0),
+                                                              ("Simplify $\\frac{4}{8}$.", "\\frac{1}{2}", 1)]
+    assert len(load_examples(cfg(preset="math", limit=1))) == 1
+    assert [e.prompt for e in load_examples(cfg(preset="math"), "eval")] == [r["problem"] for r in MATH500]
+
+
+def test_math_preset_refuses_a_test_set_without_every_math500_problem(monkeypatch):
+    _fake_hub(monkeypatch, {("HuggingFaceH4/MATH-500", None, "test"): MATH500,
+                            ("DigitalLearningGmbH/MATH-lighteval", "default", "test"): MATH_TEST[1:]})
+    with pytest.raises(DataError, match="holds 1 of the 2 problems"):
+        load_examples(cfg(preset="math"))
+
+
+def test_offline_without_a_mirror_is_one_clear_error(monkeypatch):
+    _fake_hub(monkeypatch, {})
+    with pytest.raises(DataError) as ei:
+        load_examples(cfg(preset="gsm8k"))
+    msg = str(ei.value)
+    assert "openai/gsm8k" in msg and "GRPO_DIST_DATA_DIR" in msg and "ConnectionError" in msg
+
+
+def test_offline_cli_exits_2_naming_dataset_and_variable(tmp_path):
+    """The real `datasets` library on a machine with the Hub switched off: one line, exit code 2."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_DIST_DATA_DIR"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    r = subprocess.run([sys.executable, "-m", "grpo_dist.train", "data.preset=math500", f"output_dir={tmp_path}/o",
+                        "model.tiny={architecture: qwen2}"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = [x for x in r.stderr.splitlines() if "DataError" in x]
+    assert len(line) == 1 and "HuggingFaceH4/MATH-500" in line[0] and "GRPO_DIST_DATA_DIR" in line[0], r.stderr
 
 
 # ------------------------------------------------------------------------------------------------ file formats

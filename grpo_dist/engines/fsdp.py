@@ -14,7 +14,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist.engines import Engine, StepResult, adamw_with_schedule
-from grpo_dist.models import MIXED_PRECISION_DTYPES, decoder_layer_classes, load_on_rank0_only, materialize_meta
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, decoder_layer_classes, load_on_rank0_only,
+                              materialize_meta)
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -117,6 +118,9 @@ class FSDPEngine(Engine):
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(False)
         model.eval()
+        # It never trains: fp32 shards would only cost memory. Parameters take the compute dtype (the same rounding
+        # as MixedPrecision's cast of the policy, so the KL starts at exactly 0); buffers stay as the policy's do.
+        cast_parameters_(model, MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision))
         return self._wrap(model, trainable=False)
 
     # ------------------------------------------------------------------------------------------------- update

@@ -1,0 +1,297 @@
+"""Driver of bench/gpu_check.sh: one subcommand per stage, each printing `RESULT {json}` lines and `CHECK ...` verdicts.
+
+    python bench/gpu_check.py build --root DIR
+    torchrun --standalone --nproc_per_node 1 bench/gpu_check.py train --model DIR --out DIR --format sharded
+    python bench/gpu_check.py evaluate --model CHECKPOINT --out DIR
+    python bench/gpu_check.py summary RESULTS.jsonl
+
+Models are random-init Qwen2 shapes built from configs (nothing is downloaded): Qwen2.5-0.5B (24 layers, hidden 896,
+vocab 151,936, tied embeddings) and a 4-layer slice of it (tied and untied). GPU_CHECK_SMOKE=1 shrinks every shape
+and length so that the whole check runs on a CPU in about a minute (the same code paths, gloo instead of nccl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import string
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SMOKE = os.environ.get("GPU_CHECK_SMOKE") == "1"
+CUDA = torch.cuda.is_available()
+GIB = 2 ** 30
+
+QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+              rms_norm_eps=1e-6, max_position_embeddings=32768)
+if SMOKE:
+    QWEN05 = dict(QWEN05, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512)
+SHAPES = {"qwen05": QWEN05,
+          "qwen05_4l": dict(QWEN05, num_hidden_layers=min(4, QWEN05["num_hidden_layers"])),
+          "qwen05_4l_untied": dict(QWEN05, num_hidden_layers=min(4, QWEN05["num_hidden_layers"]),
+                                   tie_word_embeddings=False)}
+# The 0.5B config's per-rank work (8 prompts x 8 completions), with completions short enough for the time budget.
+WORK = dict(prompts_per_rank=8, num_generations=8, max_completion_length=256, micro_batch_size=8)
+if SMOKE:
+    WORK = dict(prompts_per_rank=2, num_generations=4, max_completion_length=8, micro_batch_size=4)
+PROMPT = ("Solve the arithmetic problem below. Work step by step, check each digit, and end with the final number "
+          "alone on the last line.\nProblem: {prompt}")
+
+
+def result(**kw) -> None:
+    print("RESULT " + json.dumps(kw, default=str), flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / GIB, 2) if CUDA else None
+
+
+def reset_peak() -> None:
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ------------------------------------------------------------------------------------------------------ build
+def make_tokenizer(vocab: int):
+    """One token per printable character for prompts, plus ordinary (not special) word tokens up to `vocab`, so that
+    every id a random model samples decodes to text and text-based rewards vary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    words = [f"<w{i}>" for i in range(vocab - len(specials) - len(chars))]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(specials + chars + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def cmd_build(a) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    for kind in a.kinds.split(","):
+        t0 = time.perf_counter()
+        spec = SHAPES[kind]
+        tok = make_tokenizer(spec["vocab_size"])
+        ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**spec, **ids))
+        model.generation_config = GenerationConfig(**ids)
+        out = Path(a.root) / kind
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        result(stage="build", kind=kind, params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+               tied=spec["tie_word_embeddings"], seconds=round(time.perf_counter() - t0, 1))
+        del model
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------------------------ train
+def make_config(model_dir: str, out_dir: Path, **over):
+    import yaml
+    from grpo_dist.config import load_config
+    d = dict(output_dir=str(out_dir), seed=0, max_steps=3, save_steps=0, save_final=False, report_to=["jsonl"],
+             progress_bar=False, eval_steps=0, log_completions=2,
+             model=dict(name_or_path=model_dir, dtype="float32", attn_implementation="sdpa"),
+             data=dict(preset="arithmetic", prompt_template=PROMPT, max_prompt_length=256, eval_limit=16),
+             temperature=1.0, rewards=[dict(function="gpu_check_rewards:char_parity", weight=1.0)],
+             reward_workers=0, beta=0.04, learning_rate=1e-5, max_grad_norm=1.0,
+             distributed=dict(backend="fsdp", sharding_strategy="FULL_SHARD", mixed_precision="bf16"), **WORK)
+    for k, v in over.items():
+        d[k] = dict(d[k], **v) if isinstance(v, dict) else v
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_check_config.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return load_config(str(path))
+
+
+class Phases:
+    """Wall time (GPU synchronised) and peak GPU memory of each call of the trainer's phases."""
+
+    def __init__(self, trainer):
+        self.calls: dict[str, list[dict]] = {}
+        for name in ("rollout", "learn", "save", "evaluate"):
+            self._wrap(trainer, name)
+
+    def _wrap(self, trainer, name: str) -> None:
+        fn = getattr(trainer, name)
+
+        def timed(*args, **kwargs):
+            sync()
+            reset_peak()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            self.calls.setdefault(name, []).append(dict(s=time.perf_counter() - t0, peak_gib=peak_gib()))
+            return out
+        setattr(trainer, name, timed)
+
+    def report(self, run: str) -> None:
+        for name, calls in self.calls.items():
+            peaks = [c["peak_gib"] for c in calls if c["peak_gib"] is not None]
+            result(stage="phase", run=run, phase=name, calls=len(calls),
+                   median_s=round(statistics.median(c["s"] for c in calls), 3),
+                   peak_gib=max(peaks) if peaks else None)
+
+
+def new_trainer(cfg, ctx):
+    from grpo_dist.trainer import GRPOTrainer
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    tr = GRPOTrainer(cfg, ctx)
+    sync()
+    result(stage="init", run=Path(cfg.output_dir).name, seconds=round(time.perf_counter() - t0, 1),
+           engine=type(tr.engine).__name__, save_format=tr.save_format, resumed_from=str(tr.resumed_from),
+           peak_gib=peak_gib())
+    return tr
+
+
+def run_steps(tr, upto: int, run: str, save_at: int | None = None) -> list[dict]:
+    rows = []
+    while tr.step < upto:
+        m = tr.train_step()
+        if tr.cfg.eval_steps and tr.step % tr.cfg.eval_steps == 0:
+            m.update(tr.evaluate())
+        train_tokens = (m["completion_length_mean"] + m["prompt_length_mean"]) * len(tr.last_advantages)
+        row = dict(stage="step", run=run, step=tr.step, step_time_s=round(m["step_time_s"], 3),
+                   rollout_s=round(m["time_rollout_s"], 3), logprobs_s=round(m["time_logprobs_s"], 3),
+                   update_s=round(m["time_update_s"], 3),
+                   rollout_tokens_per_s=round(m["completion_tokens_per_s"], 1),
+                   train_tokens_per_s=round(train_tokens / max(m["time_logprobs_s"] + m["time_update_s"], 1e-9), 1),
+                   loss=m["loss"], kl=m["kl"], grad_norm=m["grad_norm"], eval_accuracy=m.get("eval_accuracy"),
+                   peak_gib=peak_gib())
+        result(**row)
+        rows.append(row)
+        if save_at and tr.step == save_at:
+            tr.save()
+    return rows
+
+
+def full_weights(tr) -> dict:
+    state, _ = tr.engine.gather_full_state()  # rank 0 (the only rank here) gets the full fp32 weights
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def close(tr) -> None:
+    with contextlib.suppress(Exception):
+        tr.rewards.close()
+        tr.logger.close()
+        tr.completion_log.close()
+    del tr
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def cmd_train(a) -> None:
+    """Steps with per-phase time and peak, a save at --save-at in --format, then a fresh trainer resumes from it and
+    runs the remaining steps; the weights are compared with the uninterrupted run's."""
+    from grpo_dist import distributed as gdist
+    ctx = gdist.init_distributed(600)
+    out = Path(a.out)
+    cfg = make_config(a.model, out / "run", save_format=a.format, eval_steps=a.eval_steps)
+    tr = new_trainer(cfg, ctx)
+    phases = Phases(tr)
+    rows = run_steps(tr, a.steps, "continuous", save_at=a.save_at)
+    phases.report(f"{Path(a.model).name}/{a.format}")
+    ref = full_weights(tr)
+    close(tr)
+    ck = out / "run" / f"checkpoint-{a.save_at}"
+    cfg2 = make_config(a.model, out / "resumed", save_format=a.format, eval_steps=a.eval_steps,
+                       resume_from_checkpoint=str(ck))
+    try:
+        tr2 = new_trainer(cfg2, ctx)
+    except Exception as e:  # noqa: BLE001 - reported as the stage's verdict
+        print(f"CHECK resume from {ck.name} ({a.format}): FAILED at start: {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:300]}", flush=True)
+        result(stage="resume", format=a.format, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        raise SystemExit(1)
+    rows2 = run_steps(tr2, a.steps, "resumed")
+    got = full_weights(tr2)
+    diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
+    same_loss = rows[-1]["loss"] == rows2[-1]["loss"]
+    print(f"CHECK resume from {ck.name} ({a.format}): step {a.steps} loss equal: {same_loss}; max |weight "
+          f"difference| {diff:.3g}", flush=True)
+    result(stage="resume", format=a.format, ok=True, last_loss_equal=same_loss, max_weight_diff=diff)
+    close(tr2)
+    gdist.cleanup()
+
+
+# ------------------------------------------------------------------------------------------------------ evaluate
+def cmd_evaluate(a) -> None:
+    """grpo_dist.evaluate's CLI on a saved checkpoint (generation in the compute dtype), timed, with its peak."""
+    from grpo_dist import evaluate
+    cfg_path = Path(a.model).parent / "gpu_check_config.yaml"
+    reset_peak()
+    t0 = time.perf_counter()
+    code = evaluate.main(["--model", a.model, "--config", str(cfg_path), "--limit", str(a.limit),
+                          "--output", str(Path(a.out) / "eval.json")])
+    sync()
+    res = json.loads((Path(a.out) / "eval.json").read_text()) if code == 0 else {}
+    result(stage="evaluate", ok=code == 0, seconds=round(time.perf_counter() - t0, 1), problems=res.get("num_examples"),
+           accuracy=res.get("accuracy"), peak_gib=peak_gib())
+    if code != 0:
+        raise SystemExit(code)
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+PICK = {"start": ("cmd", "torch", "gpu"),
+        "build": ("kind", "params_m", "tied", "seconds"),
+        "init": ("run", "engine", "save_format", "seconds", "peak_gib"),
+        "step": ("run", "step", "step_time_s", "rollout_s", "logprobs_s", "update_s", "rollout_tokens_per_s",
+                 "train_tokens_per_s", "peak_gib"),
+        "phase": ("run", "phase", "calls", "median_s", "peak_gib"),
+        "resume": ("format", "ok", "last_loss_equal", "max_weight_diff", "error"),
+        "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib")}
+
+
+def cmd_summary(a) -> None:
+    for line in Path(a.results).read_text().splitlines():
+        r = json.loads(line)
+        keys = PICK.get(r.get("stage"), ())
+        print(f"{r.get('stage', '?'):9s}", "  ".join(f"{k}={r[k]}" for k in keys if r.get(k) is not None))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--root", required=True)
+    b.add_argument("--kinds", default="qwen05,qwen05_4l,qwen05_4l_untied")
+    t = sub.add_parser("train")
+    t.add_argument("--model", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--format", choices=["full", "sharded"], default="sharded")
+    t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--save-at", type=int, default=2)
+    t.add_argument("--eval-steps", type=int, default=0)
+    e = sub.add_parser("evaluate")
+    e.add_argument("--model", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--limit", type=int, default=16)
+    s = sub.add_parser("summary")
+    s.add_argument("results")
+    a = ap.parse_args(argv)
+    if a.cmd != "summary":
+        result(stage="start", cmd=a.cmd, smoke=SMOKE, torch=torch.__version__,
+               gpu=torch.cuda.get_device_name() if CUDA else None)
+    {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "summary": cmd_summary}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU check of grpo_dist's CUDA paths on ONE GPU, with no download: random-init models of real shapes.
+#
+#   bash bench/gpu_check.sh                      # on a GPU machine, from the repository root: ~4-6 min on an H200
+#   GPU_CHECK_SMOKE=1 bash bench/gpu_check.sh    # tiny shapes on a CPU (gloo): the same stages in about a minute
+#
+# Stages (each its own process and time limit; a failing stage does not stop the next ones):
+#   env            nvidia-smi, torch / transformers / NCCL versions
+#   build          random-init Qwen2.5-0.5B (24 layers, vocab 151,936, tied embeddings) and 4-layer slices of it,
+#                  tied and untied, saved as HF directories with a tokenizer whose every id decodes to text
+#   train_sharded  torchrun, 1 GPU, FSDP with bf16 mixed precision, Qwen2.5-0.5B, the 0.5B config's per-rank work
+#                  (8 prompts x 8 completions, 256 new tokens, beta 0.04): 3 steps with an evaluation at step 2,
+#                  a sharded (torch.distributed.checkpoint) save at step 2, then a fresh trainer resumes from it
+#                  and runs step 3; its weights are compared with the uninterrupted run's
+#   train_full     the same on the tied 4-layer model with save_format=full (gathered HF safetensors + optimizer)
+#   train_untied   save_format=full on the untied 4-layer model
+#   evaluate       python -m grpo_dist.evaluate's code on the full checkpoint (generation in the compute dtype)
+#   cli            torchrun -m grpo_dist.train end to end, 2 steps + a save (nccl group creation, the entry point)
+# Printed per step: step time and its split (rollout, log-probs, update), rollout and training tokens/s, peak GPU
+# memory; per phase (rollout, learn, save, evaluate): median time and peak memory; per resume: loss equality and
+# the largest weight difference. Everything also goes to $OUT/results.jsonl (one JSON object per measurement) and
+# one log per stage; OUT defaults to /tmp/gpu_check. Stages are skipped once GPU_CHECK_BUDGET_S (default 420) seconds
+# have passed, so the run stays under 8 minutes. Exit code: the number of stages that failed (0: all passed).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUTDIR=${OUT:-/tmp/gpu_check}
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
+SMOKE=${GPU_CHECK_SMOKE:-0}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_work.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$OUTDIR"
+: >"$OUTDIR/summary.txt"
+: >"$OUTDIR/results.jsonl"
+# the reward module lives in $WORK; grpo_dist is imported from this checkout
+export PYTHONPATH="$REPO:$WORK${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$([ "$SMOKE" = 1 ] && echo 1 || echo 8)}
+T0=$(date +%s)
+FAILED=0
+
+stage() { # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2 rc t
+  shift 2
+  if [ $(($(date +%s) - T0)) -gt "$BUDGET" ]; then
+    echo "$name: SKIPPED (budget of ${BUDGET}s spent)" | tee -a "$OUTDIR/summary.txt"
+    FAILED=$((FAILED + 1))
+    return
+  fi
+  echo "=== $name (limit ${limit}s, at $(($(date +%s) - T0))s)"
+  t=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+  rc=$?
+  grep '^RESULT ' "$OUTDIR/$name.log" | sed 's/^RESULT //' >>"$OUTDIR/results.jsonl"
+  grep '^CHECK' "$OUTDIR/$name.log" | cut -c1-400
+  if [ $rc -ne 0 ]; then
+    FAILED=$((FAILED + 1))
+    grep -v '^RESULT' "$OUTDIR/$name.log" | grep -vi warn | tail -n 15
+  fi
+  echo "$name: $([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc"), $(($(date +%s) - t))s" | tee -a "$OUTDIR/summary.txt"
+}
+
+cat >"$WORK/gpu_check_rewards.py" <<'EOF'
+def char_parity(completion: str, reference: str) -> float:
+    """Differs between completions of random text, so groups are not flat and every update has a signal."""
+    return float(sum(map(ord, completion)) % 2)
+EOF
+
+D=("$PY" "$REPO/bench/gpu_check.py")
+TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1 "$REPO/bench/gpu_check.py")
+M="$WORK/models"
+stage env 60 bash -c "nvidia-smi || true; $PY -c 'import torch, transformers; print(\"torch\", torch.__version__, \
+\"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version() if torch.cuda.is_available() else None, \
+\"gpus\", torch.cuda.device_count(), \"transformers\", transformers.__version__)'"
+stage build 150 "${D[@]}" build --root "$M"
+stage train_sharded 240 "${TR[@]}" train --model "$M/qwen05" --out "$WORK/sharded" --format sharded --eval-steps 2
+stage train_full 120 "${TR[@]}" train --model "$M/qwen05_4l" --out "$WORK/full" --format full
+stage train_untied 120 "${TR[@]}" train --model "$M/qwen05_4l_untied" --out "$WORK/untied" --format full
+stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out "$WORK/full"
+stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
+  --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
+
+echo
+echo "=== figures"
+"$PY" "$REPO/bench/gpu_check.py" summary "$OUTDIR/results.jsonl" | tee "$OUTDIR/figures.txt"
+echo
+echo "=== summary ($(($(date +%s) - T0)) s, smoke=$SMOKE)"
+cat "$OUTDIR/summary.txt"
+echo "results: $OUTDIR/results.jsonl, logs: $OUTDIR/*.log"
+exit "$FAILED"
