@@ -82,6 +82,8 @@ class GRPOTrainer:
                 p.data = p.data.to(compute_dtype)
         if meta:
             materialize_meta(self.gen_model, ctx.device)
+        if load_on_rank0_only(cfg, ctx.world_size):  # a collective: the meta-built ranks take rank 0's buffers
+            gdist.broadcast_tensors(list(self.gen_model.buffers()))
         self.gen_model.requires_grad_(False)
         prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         num_params = sum(p.numel() for p in policy.parameters())
