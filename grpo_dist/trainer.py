@@ -244,7 +244,10 @@ class GRPOTrainer:
             ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
             old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
 
-        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0)
+        # Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
+        # and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1).
+        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0,
+                    trained_tokens=float(lengths[rows].sum()))
         grad_norms, applied = [], 0
         with timer("update"):
             for it in range(cfg.num_iterations):
@@ -276,8 +279,8 @@ class GRPOTrainer:
                         sums["loss"] += float(terms.loss.detach())
                         sums["pg"] += float(terms.pg_sum)
                         sums["kl"] += float(terms.kl_sum)
-                        sums["clipped"] += float(terms.clipped_sum)
-                        sums["ratio"] += float(terms.ratio_sum)
+                    sums["clipped"] += float(terms.clipped_sum)
+                    sums["ratio"] += float(terms.ratio_sum)
                     del logits, logp, terms, loss
                 faults.inject("kill", self.step + 1, self.ctx.rank)
                 skip = gdist.any_rank(nonfinite_local, dev) or normaliser == 0
@@ -336,9 +339,10 @@ class GRPOTrainer:
             float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
             sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
-            float(batch.prompt_mask.sum())], dev)
+            float(batch.prompt_mask.sum()), sums["trained_tokens"]], dev)
         mx = gdist.all_reduce_max([float(lengths.max())], dev)
-        n, tok = s[2], max(float(s[4]), 1.0)
+        n, tok = s[2], max(float(s[15]), 1.0)  # tokens trained, all ranks
+        tok_iters = tok * self.cfg.num_iterations
         mean = float(s[0] / n)
         return {
             "step": self.step,
@@ -353,8 +357,8 @@ class GRPOTrainer:
             "loss": float(s[7]),
             "policy_loss": float(s[8] / tok),
             "kl": float(s[9] / tok),
-            "clip_fraction": float(s[10] / tok),
-            "ratio_mean": float(s[11] / tok),
+            "clip_fraction": float(s[10] / tok_iters),
+            "ratio_mean": float(s[11] / tok_iters),
             "entropy": float(s[12] / tok),
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),
