@@ -328,7 +328,13 @@ class GRPOTrainer:
             raise NonFiniteError(
                 f"{self.consecutive_nonfinite} consecutive steps had a NaN/inf loss or gradient norm (step "
                 f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
-                f"learning_rate, check the data, or try distributed.mixed_precision=None")
+                f"learning_rate, check the data{self._precision_advice()}")
+
+    def _precision_advice(self) -> str:
+        """The override that turns mixed precision off, as the config parser reads it (YAML null), when it is on."""
+        if not self.cfg.distributed.mixed_precision:
+            return ""
+        return ", or train in full precision: distributed.mixed_precision=null"
 
     def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms, applied) -> dict:
         dev = self.ctx.device
