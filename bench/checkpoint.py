@@ -88,7 +88,7 @@ def _worker(rank, world, port, out_dir, fmt, repeats, result_file):
         gdist.barrier()
         with RssPeak() as mem:
             t0 = time.perf_counter()
-            ckpt.load_checkpoint(path, tr.engine, ctx)
+            ckpt.load_checkpoint(path, tr.engine, ctx, tr.gen_model)
             load_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         rows.append((save_s, save_mem, load_s, mem.rise, size))

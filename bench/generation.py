@@ -2,6 +2,7 @@
 
     python bench/generation.py                       # tiny Qwen2 (issue setting): 32 rows, 64 new tokens
     python bench/generation.py --model /path/to/hf_model --prompts 2 --new-tokens 128
+    python bench/generation.py --model "$(python -m grpo_dist.smollm2)" --only lean hf --reps 2   # real model
 
 Decode time per token = (T(new_tokens) - T(1)) / (new_tokens - 1), so the prefill (and tokenisation, text
 decoding) cancels out. Raw forwards, fed fixed tokens with no sampling (the floor a sampler on them pays):
@@ -37,6 +38,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", nargs="*", help="run only these samplers/forwards (e.g. --only lean hf: the rollout "
+                    "comparison on a real model without the four other runs)")
     args = ap.parse_args()
 
     import torch
@@ -87,6 +90,11 @@ def main():
                 "lean": "raw lean decoder", "lean+multinomial": "raw lean decoder",
                 "loop on hf forward": "raw hf forward", "hf": "raw hf forward"}
     kinds = list(runs)
+    if args.only:
+        unknown = set(args.only) - set(runs)
+        if unknown:
+            ap.error(f"--only: unknown {sorted(unknown)}; choose from {list(runs)}")
+        kinds = [k for k in kinds if k in args.only]
     per_tok = {k: {"cpu": [], "wall": []} for k in kinds}
     for rep in range(args.reps + 1):
         for kind in (kinds if rep % 2 else kinds[::-1]):
@@ -104,18 +112,24 @@ def main():
     print(f"{len(ids) * G} rows x {N} new tokens, prompt width {ids.shape[1]}, {args.threads} thread(s), load "
           f"average {os.getloadavg()[0]:.2f}")
     print(f"{'sampler':20} {'cpu ms/token':>13} {'vs its raw':>10} {'wall ms/token':>14} {'vs its raw':>10}")
+    rows = len(ids) * G
+    # each against its raw forward (None when --only left that forward out)
+    vs_raw = {k: {m: med[k][m] / med[baseline[k]][m] if baseline[k] in med else None for m in ("cpu", "wall")}
+              for k in kinds}
+    show = lambda x: f"{x:10.2f}" if x is not None else f"{'-':>10}"  # noqa: E731
     for k in kinds:
-        b = baseline[k]
-        print(f"{k:20} {med[k]['cpu'] * 1e3:13.2f} {med[k]['cpu'] / med[b]['cpu']:10.2f} "
-              f"{med[k]['wall'] * 1e3:14.2f} {med[k]['wall'] / med[b]['wall']:10.2f}")
+        print(f"{k:20} {med[k]['cpu'] * 1e3:13.2f} {show(vs_raw[k]['cpu'])} "
+              f"{med[k]['wall'] * 1e3:14.2f} {show(vs_raw[k]['wall'])}")
+    print("decode tokens/s (rows / time per token): " + ", ".join(
+        f"{k} {rows / med[k]['wall']:.0f} wall, {rows / med[k]['cpu']:.0f} cpu" for k in kinds))
     print(json.dumps(dict(rows=len(ids) * G, new_tokens=N, threads=args.threads,
                           load_average=round(os.getloadavg()[0], 2),
                           ms_per_token_cpu={k: round(v["cpu"] * 1e3, 3) for k, v in med.items()},
                           ms_per_token_wall={k: round(v["wall"] * 1e3, 3) for k, v in med.items()},
-                          overhead_vs_raw_cpu={k: round(v["cpu"] / med[baseline[k]]["cpu"], 3)
-                                               for k, v in med.items()},
-                          overhead_vs_raw_wall={k: round(v["wall"] / med[baseline[k]]["wall"], 3)
-                                                for k, v in med.items()})))
+                          tokens_per_s_wall={k: round(rows / v["wall"], 1) for k, v in med.items()},
+                          tokens_per_s_cpu={k: round(rows / v["cpu"], 1) for k, v in med.items()},
+                          overhead_vs_raw_cpu={k: v["cpu"] and round(v["cpu"], 3) for k, v in vs_raw.items()},
+                          overhead_vs_raw_wall={k: v["wall"] and round(v["wall"], 3) for k, v in vs_raw.items()})))
 
 
 if __name__ == "__main__":

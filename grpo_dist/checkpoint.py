@@ -268,6 +268,19 @@ def _umask() -> int:
     return mask
 
 
+def tied_aliases(model) -> dict[str, str]:
+    """{second name: first name} of parameters registered under more than one name (tied embeddings: lm_head.weight
+    -> model.embed_tokens.weight). A saved HF directory stores such a tensor once, under its first name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def _save_hf_config(hf_model, out: Path) -> None:
     hf_model.config.save_pretrained(out)
     if getattr(hf_model, "generation_config", None) is not None:
@@ -367,9 +380,10 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) ->
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, engine, ctx) -> dict:
+def load_checkpoint(path: Path, engine, ctx, hf_model=None) -> dict:
     """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
-    size is unchanged). Returns the trainer state, with `rng_restored` set."""
+    size is unchanged). Returns the trainer state, with `rng_restored` set. hf_model: a plain copy of the model
+    (the generation replica), whose tied parameters name the entries a full-state file stores only once."""
     path = Path(path)
     state = read_trainer_state(path)
     if (path / SHARDED_DIR).is_dir():
@@ -385,6 +399,9 @@ def load_checkpoint(path: Path, engine, ctx) -> dict:
             model_sd = {}
             for f in sorted(path.glob("*.safetensors")):
                 model_sd.update(load_file(str(f)))
+            for alias, source in (tied_aliases(hf_model) if hf_model is not None else {}).items():
+                if alias not in model_sd and source in model_sd:  # the engines' strict loads want both names
+                    model_sd[alias] = model_sd[source]
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd

@@ -121,6 +121,13 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """In place: every rank's tensors take rank `src`'s values (same list, same order, on the rank's device)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            dist.broadcast(t, src=src)
+
+
 def gather_object(obj, dst: int = 0) -> list | None:
     """The list of every rank's `obj` on rank `dst`, None elsewhere (pickled; for small metadata only)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

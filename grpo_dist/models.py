@@ -156,9 +156,13 @@ def load_on_rank0_only(cfg, world_size: int) -> bool:
 
 
 def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:
-    """Give every meta parameter real (uninitialised) storage on `device`; buffers are left alone (empty-weight
-    init builds them for real). The values must come from elsewhere (a broadcast, copy_weights_to)."""
-    made: dict[int, torch.nn.Parameter] = {}  # tied weights (embeddings = lm_head) must stay one parameter
+    """Put every parameter and buffer of a meta-built model on `device`: meta tensors get real (uninitialised)
+    storage there, real buffers (empty-weight init computes e.g. RoPE's inv_freq on the CPU) are moved there with
+    their values. Parameter values must come from elsewhere (a broadcast, copy_weights_to); a buffer that was meta
+    needs a broadcast too. A buffer left behind would be on the CPU of a GPU rank: the first rollout would index a
+    CPU table with CUDA positions."""
+    device = torch.device(device)
+    made: dict[int, torch.Tensor] = {}  # tied weights (embeddings = lm_head) and shared buffers stay shared
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
@@ -166,7 +170,24 @@ def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:
                     made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device),
                                                      requires_grad=p.requires_grad)
                 setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if id(b) not in made:
+                made[id(b)] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+            module._buffers[name] = made[id(b)]
     return model
+
+
+def misplaced_tensors(model: torch.nn.Module, device) -> list[str]:
+    """'parameter|buffer NAME on DEVICE' for every tensor of `model` that is not on `device` (a meta tensor never
+    is): empty when everything is where the rank computes."""
+    want = torch.device(device)
+    out = []
+    for kind, items in (("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+                out.append(f"{kind} {name} on {t.device}")
+    return out
 
 
 def load_model(cfg: ModelConfig, tokenizer, on_meta: bool = False) -> torch.nn.Module:

@@ -63,6 +63,15 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | l
     return (torch.arange(n, device=completion_ids.device)[None, :] <= first[:, None]).long()
 
 
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation_config.eos_token_id (an int
+    or a list; Qwen2.5 Instruct stops at both <|im_end|> and <|endoftext|>, as `generate` does)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask; over-long prompts keep their end (the question sits at the end of a template)."""
     tokenizer.truncation_side = "left"
@@ -188,9 +197,9 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
     device = next(model.parameters()).device
     unique_ids, unique_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
     ids, mask = unique_ids.repeat_interleave(num_generations, 0), unique_mask.repeat_interleave(num_generations, 0)
-    eos = tokenizer.eos_token_id
+    eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
-    eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=device)
+    eos_ids = torch.as_tensor(eos, device=device)
     chunk = generation_batch_size or len(ids)
     use_generate = use_hf_generate or bool(generate_kwargs)
     decoder = None if use_generate else make_decoder(model, ids.shape[1] + max_completion_length, lean_decoder)

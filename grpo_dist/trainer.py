@@ -89,6 +89,8 @@ class GRPOTrainer:
         self.gen_model = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
         if meta:
             materialize_meta(self.gen_model, ctx.device)
+        if load_on_rank0_only(cfg, ctx.world_size):  # a collective: the meta-built ranks take rank 0's buffers
+            gdist.broadcast_tensors(list(self.gen_model.buffers()))
         self.gen_model.requires_grad_(False)
         prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         num_params = sum(p.numel() for p in policy.parameters())
@@ -154,7 +156,7 @@ class GRPOTrainer:
             if saved["world_size"] != self.ctx.world_size and global_batch % self.ctx.world_size == 0:
                 hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
             raise DataError(f"{path}: {e}{hint}") from None
-        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
+        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx, self.gen_model)
         self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
@@ -315,7 +317,10 @@ class GRPOTrainer:
             ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
             old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
 
-        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0)
+        # Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
+        # and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1).
+        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0,
+                    trained_tokens=float(lengths[rows].sum()))
         grad_norms, applied = [], 0
         with timer("update"):
             for it in range(cfg.num_iterations):
@@ -347,8 +352,8 @@ class GRPOTrainer:
                         sums["loss"] += float(terms.loss.detach())
                         sums["pg"] += float(terms.pg_sum)
                         sums["kl"] += float(terms.kl_sum)
-                        sums["clipped"] += float(terms.clipped_sum)
-                        sums["ratio"] += float(terms.ratio_sum)
+                    sums["clipped"] += float(terms.clipped_sum)
+                    sums["ratio"] += float(terms.ratio_sum)
                     del logits, logp, terms, loss
                 faults.inject("kill", self.step + 1, self.ctx.rank)
                 skip = gdist.any_rank(nonfinite_local, dev) or normaliser == 0
@@ -396,7 +401,13 @@ class GRPOTrainer:
             raise NonFiniteError(
                 f"{self.consecutive_nonfinite} consecutive steps had a NaN/inf loss or gradient norm (step "
                 f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
-                f"learning_rate, check the data, or try distributed.mixed_precision=None")
+                f"learning_rate, check the data{self._precision_advice()}")
+
+    def _precision_advice(self) -> str:
+        """The override that turns mixed precision off, as the config parser reads it (YAML null), when it is on."""
+        if not self.cfg.distributed.mixed_precision:
+            return ""
+        return ", or train in full precision: distributed.mixed_precision=null"
 
     def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms, applied) -> dict:
         dev = self.ctx.device
@@ -407,9 +418,10 @@ class GRPOTrainer:
             float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
             sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
-            float(batch.prompt_mask.sum())], dev)
+            float(batch.prompt_mask.sum()), sums["trained_tokens"]], dev)
         mx = gdist.all_reduce_max([float(lengths.max())], dev)
-        n, tok = s[2], max(float(s[4]), 1.0)
+        n, tok = s[2], max(float(s[15]), 1.0)  # tokens trained, all ranks
+        tok_iters = tok * self.cfg.num_iterations
         mean = float(s[0] / n)
         return {
             "step": self.step,
@@ -424,8 +436,8 @@ class GRPOTrainer:
             "loss": float(s[7]),
             "policy_loss": float(s[8] / tok),
             "kl": float(s[9] / tok),
-            "clip_fraction": float(s[10] / tok),
-            "ratio_mean": float(s[11] / tok),
+            "clip_fraction": float(s[10] / tok_iters),
+            "ratio_mean": float(s[11] / tok_iters),
             "entropy": float(s[12] / tok),
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),

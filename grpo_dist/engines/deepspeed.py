@@ -220,12 +220,15 @@ class DeepSpeedEngine(Engine):
         model.requires_grad_(False)
         model.eval()
         if self.stage == 2:
-            # ZeRO-2 keeps full weights on every rank anyway: the reference is a plain replicated model, in the
-            # compute dtype of the policy.
-            if self.ds_config["bf16"]["enabled"]:
-                model.to(torch.bfloat16)
-            elif self.ds_config["fp16"]["enabled"]:
-                model.to(torch.float16)
+            # ZeRO-2 keeps full weights on every rank anyway: the reference is a plain replicated model, its
+            # parameters in the compute dtype of the policy and its buffers (RoPE's inv_freq) in fp32 as the
+            # policy's stay (DeepSpeed casts parameters only): the KL at step 0 is then exactly 0.
+            low = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else \
+                torch.float16 if self.ds_config["fp16"]["enabled"] else None
+            if low is not None:
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.data = p.data.to(low)
             return model
         # ZeRO-3 inference: partitioned like the policy, no optimizer.
         ref_cfg = {k: v for k, v in self.ds_config.items() if k not in ("gradient_clipping",)}
