@@ -59,12 +59,12 @@ def _one_rank(rank, world, full_ckpt, sharded_ckpt, out):
         _trainer([f"output_dir={out}/a", f"resume_from_checkpoint={full_ckpt}"])
     states = []
     for i, path in enumerate([full_ckpt, sharded_ckpt]):
-        tr = _trainer([f"output_dir={out}/{i}", f"resume_from_checkpoint={path}", "prompts_per_rank=4",
-                       "max_steps=3"])
+        # max_steps as in the checkpoint: a changed max_steps changes the LR schedule, which a resume now applies
+        tr = _trainer([f"output_dir={out}/{i}", f"resume_from_checkpoint={path}", "prompts_per_rank=4"])
         model_sd, optim_sd = tr.engine.gather_full_state()
         # deepcopy: the gathered optimizer state shares its `step` tensors with the live optimizer
         states.append(copy.deepcopy((model_sd, optim_sd, tr.sampler.state_dict())))
-        assert tr.train() == 0 and tr.step == 3
+        assert tr.train() == 0 and tr.step == STEPS
     return str(err.value), states
 
 
