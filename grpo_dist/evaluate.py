@@ -52,9 +52,9 @@ def k_values(n: int) -> list[int]:
     return ks + [n]
 
 
-def _correct_flags(rewards, completions, references) -> list[bool]:
+def _correct_flags(rewards, completions, references, lengths=None, max_len=None) -> list[bool]:
     """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
-    totals, per_function = rewards(completions, references)
+    totals, per_function = rewards(completions, references, lengths, max_len)
     first = next(iter(per_function.values()), totals) if per_function else totals
     return [float(r) >= 1.0 for r in first]
 
@@ -70,7 +70,8 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
                                   cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                   cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
                                   lean_decoder=cfg.lean_decoder)
-        flags = _correct_flags(rewards, batch.completions, batch.references)
+        flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
+                               cfg.max_completion_length)
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if bar is not None:
             bar.update(len(chunk))

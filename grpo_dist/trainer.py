@@ -185,7 +185,8 @@ class GRPOTrainer:
         with timer("rollout"):
             batch = self.rollout(self.sampler.next_batch())
         with timer("reward"):
-            rewards, per_function = self.rewards(batch.completions, batch.references)
+            rewards, per_function = self.rewards(batch.completions, batch.references,
+                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length)
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,

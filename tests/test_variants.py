@@ -250,3 +250,38 @@ def test_kl_in_reward_matches_formula(tmp_path, estimator):
     assert abs(loss - expected) < 1e-4
     _, rewards = fixed_rollout()
     assert abs(reward_mean - float(rewards.mean())) < 1e-6  # the metric shows the verifier's rewards
+
+
+# ------------------------------------------------------------------------------- DAPO soft overlong punishment
+def test_soft_overlong_punishment_matches_formula():
+    from grpo_dist.rewards.length import soft_overlong_punishment
+    L_max, buf = 100, 20
+    for L in range(0, 121):
+        if L <= L_max - buf:
+            expected = 0.0
+        elif L <= L_max:
+            expected = ((L_max - buf) - L) / buf
+        else:
+            expected = -1.0
+        got = soft_overlong_punishment("", "", completion_length=L, max_completion_length=L_max,
+                                       overlong_buffer_length=buf)
+        assert abs(got - expected) < 1e-12, L
+    assert soft_overlong_punishment("", "", completion_length=100, max_completion_length=100) == -1.0
+    assert soft_overlong_punishment("", "", completion_length=90, max_completion_length=100) == -0.5  # buffer 20
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_computer_passes_token_lengths_to_length_aware_functions(workers):
+    """The verifier stays first; the length-aware function gets the token counts (not the text length) and runs
+    in this process even when the others go to workers."""
+    from grpo_dist.rewards import RewardComputer
+    specs = [{"function": "grpo_dist.rewards:math_reward"},
+             {"function": "grpo_dist.rewards.length:soft_overlong_punishment", "weight": 0.5}]
+    with RewardComputer(specs, num_workers=workers) as rc:
+        totals, per_fn = rc(["\\boxed{3}", "\\boxed{4}", "x"], ["3", "3", "3"], [10, 95, 100], 100)
+        assert list(per_fn) == ["math_reward", "soft_overlong_punishment"]
+        assert per_fn["soft_overlong_punishment"] == [0.0, -0.75, -1.0]
+        assert per_fn["math_reward"][0] == 1.0
+        assert totals == [per_fn["math_reward"][i] + 0.5 * per_fn["soft_overlong_punishment"][i] for i in range(3)]
+        with pytest.raises(ValueError, match="completion_length"):
+            rc(["a"], ["b"])  # a length-aware reward without lengths: refused, not scored 0

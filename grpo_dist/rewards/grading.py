@@ -75,9 +75,22 @@ def _as_score(v) -> float:
     return f if math.isfinite(f) else 0.0
 
 
-def _call_safely(fn, completion, reference) -> float:
+LENGTH_KWARGS = ("completion_length", "max_completion_length")
+
+
+def length_kwargs_of(fn) -> tuple[str, ...]:
+    """Which of LENGTH_KWARGS the reward function names as parameters (grpo_dist.rewards.length)."""
+    import inspect
     try:
-        return _as_score(fn(completion, reference))
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(k for k in LENGTH_KWARGS if k in params)
+
+
+def _call_safely(fn, completion, reference, **kwargs) -> float:
+    try:
+        return _as_score(fn(completion, reference, **kwargs))
     except Exception:  # noqa: BLE001 - a failing reward scores 0.0
         return 0.0
 
@@ -350,12 +363,15 @@ class RewardComputer:
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._pool = _Pool(self.num_workers, self.timeout_s) if self.num_workers > 0 else None
+        # length-aware functions read numbers only: graded here, with the token counts (never sent to workers)
+        self._length_kwargs = {name: length_kwargs_of(fn) for name, fn in zip(self.names, self.functions)}
 
     @property
     def stats(self) -> dict:
         return dict(self._pool.stats) if self._pool else {}
 
-    def __call__(self, completions: list, references: list):
+    def __call__(self, completions: list, references: list, completion_lengths: list | None = None,
+                 max_completion_length: int | None = None):
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         completions = [c if isinstance(c, str) else "" for c in completions]
@@ -364,20 +380,32 @@ class RewardComputer:
         per_fn: dict = {}
         with self._lock:
             if self._pool is not None:
-                tasks = [(spec, c, r) for spec in self.specs for c, r in zip(completions, references)]
+                pooled = [k for k, name in enumerate(self.names) if not self._length_kwargs[name]]
+                tasks = [(self.specs[k], c, r) for k in pooled for c, r in zip(completions, references)]
                 try:
                     flat = self._pool.grade(tasks)
                 except RuntimeError:  # workers cannot start: grade in-process rather than stall
-                    flat = [_call_safely(fn, c, r) for fn in self.functions
+                    flat = [_call_safely(self.functions[k], c, r) for k in pooled
                             for c, r in zip(completions, references)]
-                for k, name in enumerate(self.names):
-                    per_fn[name] = flat[k * n:(k + 1) * n]
-            else:
-                for name, fn in zip(self.names, self.functions):
-                    per_fn[name] = [_call_safely(fn, c, r) for c, r in zip(completions, references)]
+                for j, k in enumerate(pooled):
+                    per_fn[self.names[k]] = flat[j * n:(j + 1) * n]
+            for name, fn in zip(self.names, self.functions):
+                if name not in per_fn:
+                    per_fn[name] = self._grade_here(fn, name, completions, references, completion_lengths,
+                                                    max_completion_length)
+            per_fn = {name: per_fn[name] for name in self.names}  # spec order: the first is the verifier
         totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
                   for i in range(n)]
         return totals, per_fn
+
+    def _grade_here(self, fn, name, completions, references, lengths, max_len) -> list:
+        wanted = self._length_kwargs[name]
+        if wanted and (lengths is None or ("max_completion_length" in wanted and max_len is None)):
+            raise ValueError(f"reward function {name!r} needs {', '.join(wanted)}, which this call did not pass")
+        values = {"max_completion_length": max_len}
+        return [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
+                                          for k in wanted})
+                for i, (c, r) in enumerate(zip(completions, references))]
 
     def close(self) -> None:
         if self._pool is not None:
