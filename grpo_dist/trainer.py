@@ -29,7 +29,7 @@ import torch
 from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
-from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
 from grpo_dist.decoder import prepare_replica
@@ -40,7 +40,7 @@ from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_only, load_tokenizer,
                               materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
+from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, generate_rollouts
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -182,24 +182,65 @@ class GRPOTrainer:
     def train_step(self) -> dict:
         timer = Timer()
         t0 = time.perf_counter()
-        with timer("rollout"):
-            batch = self.rollout(self.sampler.next_batch())
-        with timer("reward"):
-            rewards, per_function = self.rewards(batch.completions, batch.references,
-                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length)
+        if self.cfg.dynamic_sampling:
+            batch, rewards, per_function, sampling = self._dynamic_sample(timer)
+        else:
+            (batch, rewards, per_function), sampling = self._rollout_and_grade(timer), {}
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
+        metrics.update(sampling)
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
         return metrics
 
-    def rollout(self, examples) -> RolloutBatch:
+    def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
+        """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
+        with timer("rollout"):
+            batch = self.rollout(self.sampler.next_batch(), refresh)
+        with timer("reward"):
+            rewards, per_function = self.rewards(batch.completions, batch.references,
+                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length)
+        return batch, rewards, per_function
+
+    def _dynamic_sample(self, timer: Timer):
+        """DAPO dynamic sampling: rounds of prompts_per_rank prompts per rank, keeping only groups whose rewards
+        differ, until all ranks together hold prompts_per_rank x world_size of them or dynamic_sampling_max_rounds
+        rounds ran. Every rank runs the same rounds (the stop test is on all-reduced counts); the surplus of the
+        last round is trimmed evenly (advantages.dynamic_sampling_quota). A rank may end with fewer groups than
+        the others, even none."""
+        cfg, G, dev = self.cfg, self.cfg.num_generations, self.ctx.device
+        target = cfg.prompts_per_rank * self.ctx.world_size
+        kept, rounds = [], 0
+        while True:
+            batch, rewards, per_fn = self._rollout_and_grade(timer, refresh=rounds == 0)  # weights are unchanged
+            rounds += 1
+            flat = zero_advantage_groups(torch.tensor(rewards, dtype=torch.float32), G)
+            kept += [(batch, rewards, per_fn, g) for g in range(len(flat)) if not flat[g]]
+            total = int(gdist.all_reduce_sum([len(kept)], dev)[0])
+            if total >= target or rounds >= cfg.dynamic_sampling_max_rounds:
+                break
+        sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_prompts": rounds * target,
+                    "dynamic_sampling_groups": min(total, target)}
+        if total == 0:  # every group of every rank was flat: the last round, as without dynamic sampling
+            return batch, rewards, per_fn, sampling
+        counts = gdist.all_reduce_sum([len(kept) if r == self.ctx.rank else 0 for r in range(self.ctx.world_size)],
+                                      dev)
+        kept = kept[:dynamic_sampling_quota([int(c) for c in counts], target)[self.ctx.rank]]
+        rows = [(b, g * G + j) for b, _, _, g in kept for j in range(G)]
+        batch = concat_rollouts([b.rows([i]) for b, i in rows], self.tokenizer.pad_token_id) if rows else \
+            batch.rows([])
+        rewards = [r[g * G + j] for _, r, _, g in kept for j in range(G)]
+        per_function = {name: [f[name][g * G + j] for _, _, f, g in kept for j in range(G)] for name in per_fn}
+        return batch, rewards, per_function, sampling
+
+    def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
         cfg = self.cfg
-        self.engine.copy_weights_to(self.gen_model)
+        if refresh:
+            self.engine.copy_weights_to(self.gen_model)
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
         return generate_rollouts(
             self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
@@ -386,7 +427,7 @@ class GRPOTrainer:
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
             sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
             float(batch.prompt_mask.sum())], dev)
-        mx = gdist.all_reduce_max([float(lengths.max())], dev)
+        mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s[2], max(float(s[4]), 1.0)
         mean = float(s[0] / n)
         return {

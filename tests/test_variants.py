@@ -285,3 +285,65 @@ def test_reward_computer_passes_token_lengths_to_length_aware_functions(workers)
         assert totals == [per_fn["math_reward"][i] + 0.5 * per_fn["soft_overlong_punishment"][i] for i in range(3)]
         with pytest.raises(ValueError, match="completion_length"):
             rc(["a"], ["b"])  # a length-aware reward without lengths: refused, not scored 0
+
+
+# ---------------------------------------------------------------------------------------- DAPO dynamic sampling
+def test_dynamic_sampling_quota():
+    from grpo_dist.advantages import dynamic_sampling_quota
+    assert dynamic_sampling_quota([3, 5], 4) == [2, 2]
+    assert dynamic_sampling_quota([0, 5], 4) == [0, 4]
+    assert dynamic_sampling_quota([1, 5, 2], 6) == [1, 3, 2]
+    assert dynamic_sampling_quota([1, 1], 4) == [1, 1]  # fewer than the target: all of them
+    for counts in ([4, 0, 9, 2], [7, 7, 7, 7], [0, 0, 1, 0]):
+        keep = dynamic_sampling_quota(counts, 8)
+        assert sum(keep) == min(8, sum(counts)) and all(0 <= k <= c for k, c in zip(keep, counts))
+        short = [k for k, c in zip(keep, counts) if k < c]  # ranks that had more than they keep
+        assert not short or max(keep) - min(short) <= 1  # are within one of the fullest
+
+
+# per rank, per round: group rewards (G = 4); 'x' marks a flat group. Rank 0 finds its groups late, rank 1 early.
+SCRIPT = {0: [[[1, 1, 1, 1], [0, 0, 0, 0]], [[0, 1, 0, 1], [1, 1, 1, 1]], [[1, 0, 0, 0], [0, 0, 1, 1]]],
+          1: [[[0, 1, 1, 1], [0, 0, 0.5, 0]], [[0, 1, 0, 0], [1, 0, 1, 1]], [[0, 0, 0, 0], [0, 0, 0, 0]]]}
+
+
+def _dynamic_steps(rank, world_size, max_rounds):
+    """Scripted rounds instead of generation (fixed_rollout's first 2 prompts, the rewards above): which groups
+    each rank keeps, how many rounds every rank ran, and the step's metrics."""
+    from grpo_dist.distributed import init_distributed
+    init_distributed(120)
+    trainer = _trainer(world_size, ["dynamic_sampling=true", f"dynamic_sampling_max_rounds={max_rounds}",
+                                    "beta=0.0"])
+    batch, _ = fixed_rollout()
+    rounds = iter(SCRIPT[rank])
+    seen = []
+
+    def scripted_round(timer, refresh=True):
+        rewards = [float(x) for group in next(rounds) for x in group]
+        seen.append(refresh)
+        with timer("rollout"):
+            pass
+        b = batch.rows(list(range(2 * G)))
+        return b, rewards, {"verifier": rewards}
+
+    trainer._rollout_and_grade = scripted_round
+    trainer.sampler.next_batch = None  # never called: the script stands in for rollout and reward
+    metrics = trainer.train_step()
+    return metrics, seen
+
+
+def test_dynamic_sampling_two_ranks_agree_on_rounds_and_keep_the_target(tmp_path):
+    # target 4 groups (2 prompts x 2 ranks): round 1 gives 0 + 2, round 2 gives 1 + 2 -> stop after 2 rounds;
+    # 5 found, rank 0 keeps its 1, rank 1 keeps 3
+    r0, r1 = run_ranks(_dynamic_steps, 2, tmp_path, 4)
+    for metrics, seen in (r0, r1):
+        assert metrics["dynamic_sampling_rounds"] == 2 and len(seen) == 2
+        assert seen == [True, False]  # the generation copy is refreshed once per step
+        assert metrics["dynamic_sampling_prompts"] == 8 and metrics["dynamic_sampling_groups"] == 4
+        assert metrics["zero_advantage_fraction"] == 0.0
+    kept = [0, 1, 0, 1, 0, 1, 1, 1, 0, 0, 0.5, 0, 0, 1, 0, 0]  # kept groups' rewards (rank 0's, then rank 1's 3)
+    assert abs(r0[0]["reward_mean"] - sum(kept) / len(kept)) < 1e-6
+    # with a cap of one round: 2 groups only (both on rank 1), the step trains on those
+    c0, c1 = run_ranks(_dynamic_steps, 2, tmp_path, 1)
+    assert c0[0]["dynamic_sampling_rounds"] == c1[0]["dynamic_sampling_rounds"] == 1
+    assert c0[0]["dynamic_sampling_groups"] == 2
+    assert abs(c0[0]["reward_mean"] - (3 + 0.5) / 8) < 1e-6
