@@ -34,6 +34,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults
 
 MANIFEST = "manifest.json"
+LORA_ADAPTER_FILE = "adapter_model.safetensors"
 SHARDED_DIR = "sharded"
 TMP_PREFIX = ".tmp-checkpoint-"
 # save_format=auto writes full-state checkpoints up to this many parameters, sharded (DCP) ones above. A full-state
@@ -214,7 +215,7 @@ def _save_hf_config(hf_model, out: Path) -> None:
 # --------------------------------------------------------------------------------------------------- save, load
 def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
-                    save_format: str = "full") -> Path:
+                    save_format: str = "full", lora_cfg=None, base_name: str | None = None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
     writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune."""
     out = Path(output_dir)
@@ -234,9 +235,12 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
         model_sd, optim_sd = engine.gather_full_state()
         if ctx.is_main:
             _save_hf_config(hf_model, tmp)
-            write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
-                             lambda names: {k: model_sd[k] for k in names},
-                             getattr(hf_model.config, "tie_word_embeddings", False))
+            if lora_cfg is not None:
+                _save_lora(tmp, model_sd, lora_cfg, base_name, hf_model, tokenizer)
+            else:
+                write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
+                                 lambda names: {k: model_sd[k] for k in names},
+                                 getattr(hf_model.config, "tie_word_embeddings", False))
             torch.save(optim_sd, tmp / "optimizer.pt")
         del model_sd, optim_sd
     if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)
@@ -258,6 +262,21 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
             prune_checkpoints(out, save_total_limit, keep)
     gdist.barrier()
     return final
+
+
+def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokenizer) -> None:
+    """LoRA: the adapter in peft's format (the base weights are the model's own, never changed), and with
+    lora.save_merged an HF directory merged/ of the base model with the adapter merged in."""
+    from grpo_dist import lora
+    lora.save_adapter(out, model_sd, lora_cfg, base_name)
+    if lora_cfg.save_merged:
+        merged = lora.merged(model_sd, lora.scaling(lora_cfg))
+        (out / "merged").mkdir()
+        _save_hf_config(hf_model, out / "merged")
+        write_hf_weights(out / "merged", {k: (v.shape, v.dtype) for k, v in merged.items()},
+                         lambda names: {k: merged[k] for k in names},
+                         getattr(hf_model.config, "tie_word_embeddings", False))
+        tokenizer.save_pretrained(out / "merged")
 
 
 def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) -> None:
@@ -283,10 +302,17 @@ def load_checkpoint(path: Path, engine, ctx) -> dict:
     else:
         from safetensors.torch import load_file
         model_sd = optim_sd = None
+        adapter = path / LORA_ADAPTER_FILE
+        if adapter.is_file():  # LoRA: the base weights as built at start, the adapter from the checkpoint
+            model_sd, _ = engine.gather_full_state()
         if ctx.is_main:
-            model_sd = {}
-            for f in sorted(path.glob("*.safetensors")):
-                model_sd.update(load_file(str(f)))
+            if adapter.is_file():
+                from grpo_dist.lora import adapter_to_model_names
+                model_sd.update(adapter_to_model_names(load_file(str(adapter))))
+            else:
+                model_sd = {}
+                for f in sorted(path.glob("*.safetensors")):
+                    model_sd.update(load_file(str(f)))
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd

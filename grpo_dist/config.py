@@ -236,6 +236,11 @@ class GRPOConfig:
                               f"{lc.r}, {lc.alpha}, {lc.dropout}")
         if lc.r and not lc.target_modules:
             raise ConfigError("config key 'lora.target_modules' must name at least one module when lora.r > 0")
+        if lc.r and self.distributed.backend != "fsdp":
+            raise ConfigError("config key 'lora.r' > 0 needs distributed.backend=fsdp (DeepSpeed: not supported)")
+        if lc.r and self.save_format == "sharded":
+            raise ConfigError("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
+                              "checkpoints hold the adapter (small); use full or auto")
 
     @property
     def clip_high(self) -> float:

@@ -29,6 +29,7 @@ import torch
 from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
+from grpo_dist import lora
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
@@ -86,13 +87,20 @@ class GRPOTrainer:
         self.gen_model.requires_grad_(False)
         prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         num_params = sum(p.numel() for p in policy.parameters())
+        if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
+            lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
         self.engine = build_engine(cfg, policy, ctx)
+        if cfg.lora.r and cfg.lora.dropout:
+            lora.activate_dropout(self.engine.module)
         if cfg.save_format == "sharded" and not self.engine.supports_sharded():
             raise ConfigError(f"config key 'save_format' = sharded is not supported by distributed.backend="
                               f"{cfg.distributed.backend}; use full or auto")
-        self.save_format = ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
+        # LoRA checkpoints hold the adapter (+ optimizer) only: always the full (gathered) format
+        self.save_format = "full" if cfg.lora.r else ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
         self.ref_model = None
-        if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
+        if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
+            self.ref_model = lora.Reference(self.engine.module)
+        elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
         self.train_examples = load_examples(cfg.data, "train")
@@ -470,4 +478,5 @@ class GRPOTrainer:
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
-                                    self.save_format)
+                                    self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
+                                    base_name=self.cfg.model.name_or_path)
