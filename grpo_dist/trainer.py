@@ -65,6 +65,9 @@ class Timer:
 class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
+        if cfg.distributed.cpu_offload and ctx.device.type == "cpu":
+            raise ConfigError("config key 'distributed.cpu_offload' = true does not apply to a CPU-only run: the "
+                              "parameters and optimizer state are in host memory already; set it false")
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get

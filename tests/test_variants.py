@@ -347,3 +347,36 @@ def test_dynamic_sampling_two_ranks_agree_on_rounds_and_keep_the_target(tmp_path
     assert c0[0]["dynamic_sampling_rounds"] == c1[0]["dynamic_sampling_rounds"] == 1
     assert c0[0]["dynamic_sampling_groups"] == 2
     assert abs(c0[0]["reward_mean"] - (3 + 0.5) / 8) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------- CPU offload
+def _offload_on_cpu(rank, world_size):
+    from grpo_dist.config import ConfigError
+    with pytest.raises(ConfigError, match="distributed.cpu_offload"):
+        _trainer(world_size, ["distributed.cpu_offload=true"])
+    # the FSDP wrapper itself gets CPUOffload (built directly: the trainer refuses it on CPU)
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.engines.fsdp import FSDPEngine
+    from grpo_dist.models import load_model, load_tokenizer
+    cfg = load_config(None, BASE + ["distributed.cpu_offload=true"])
+    engine = FSDPEngine(cfg, load_model(cfg.model, load_tokenizer(cfg.model)), init_distributed(120))
+    return engine.module.cpu_offload.offload_params
+
+
+def test_cpu_offload_refused_on_cpu_and_wired_into_fsdp(tmp_path):
+    assert run_ranks(_offload_on_cpu, 1, tmp_path)[0] is True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_deepspeed_config(stage):
+    from grpo_dist.config import load_config
+    from grpo_dist.engines.deepspeed import build_deepspeed_config
+    cfg = load_config(None, BASE + ["distributed.backend=deepspeed", f"distributed.zero_stage={stage}",
+                                    "distributed.cpu_offload=true"])
+    with pytest.warns(UserWarning, match="offload"):
+        zero = build_deepspeed_config(cfg, 2)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert ("offload_param" in zero) == (stage == 3)
+    off = build_deepspeed_config(load_config(None, BASE + ["distributed.backend=deepspeed"]), 2)["zero_optimization"]
+    assert "offload_optimizer" not in off and "offload_param" not in off

@@ -8,7 +8,7 @@ import math
 import warnings
 
 import torch
-from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+from torch.distributed.fsdp import (CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
                                     ShardingStrategy, StateDictType)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -99,6 +99,8 @@ class FSDPEngine(Engine):
             auto_wrap_policy=None if wrap_units(model, dcfg.fsdp_wrap) == "model" else functools.partial(
                 transformer_auto_wrap_policy, transformer_layer_cls=self._layer_classes),
             mixed_precision=mp,
+            # parameters (and so gradients and the optimizer step) in host memory; unsharded per unit on use
+            cpu_offload=CPUOffload(offload_params=True) if dcfg.cpu_offload else None,
             device_id=self.ctx.device,  # required on CPU too, else FSDP looks for an accelerator
             use_orig_params=True,
             limit_all_gathers=True,
