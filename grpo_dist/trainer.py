@@ -269,7 +269,8 @@ class GRPOTrainer:
         G = cfg.num_generations
         n_groups = len(batch) // G
         raw_rewards = rewards
-        rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
+        with timer("logprobs"):
+            rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
 
         # Advantages (groups are rank-local; the batch std, when used, is global).
         batch_std = None
