@@ -5,8 +5,11 @@
 
 Each setting runs in fresh torchrun processes: build the trainer, two GRPO steps (2 prompts x 4 completions of 16
 tokens per rank). Per rank it reports
-  peak_rise_mib      VmHWM rise over the RSS before building (imports, tokenizer and data already loaded): what
-                     the run adds at its peak, on CPU (host RAM); with CUDA also peak_gpu_mib (max allocated)
+  build_peak_rise_mib       VmHWM rise while building the trainer, over the RSS before (imports, tokenizer and
+                            data already loaded): loading the weights, wrapping, the generation replica
+  rss_after_build_rise_mib  what building left resident
+  steps_peak_rise_mib       VmHWM rise during two GRPO steps over the RSS after building (host RAM on CPU);
+                            with CUDA also peak_gpu_mib (max allocated over the whole run)
   params/grads/optimizer/reference_mib   bytes of this rank's tensors: policy parameters (shards under FSDP),
                      gradients (kept by running a third step's backward without its optimizer step), AdamW state,
                      and the reference model (LoRA: none; it is the policy with its adapters off)
@@ -58,8 +61,13 @@ def worker(args):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak to the current RSS
     trainer = GRPOTrainer(cfg, ctx)
+    built_rise = _status_mib("VmHWM") - base
+    before_steps = _status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     for _ in range(2):
         trainer.train_step()
+    steps_rise = _status_mib("VmHWM") - before_steps
     eng = trainer.engine
     step = eng.step
     eng.step = lambda skip=False: None  # a third backward without its optimizer step keeps the gradients
@@ -71,7 +79,8 @@ def worker(args):
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**20  # noqa: E731
     params = list(eng.module.parameters())
     ref = trainer.ref_model
-    out = dict(peak_rise_mib=round(_status_mib("VmHWM") - base, 1),
+    out = dict(build_peak_rise_mib=round(built_rise, 1), rss_after_build_rise_mib=round(before_steps - base, 1),
+               steps_peak_rise_mib=round(steps_rise, 1),
                params_mib=round(nbytes(params), 1),
                trainable_params=sum(p.numel() for p in params if p.requires_grad),
                grads_mib=round(nbytes([p.grad for p in params if p.grad is not None]), 1),
@@ -115,7 +124,9 @@ def main():
     for name, r in (("full", 0), (f"lora_r{args.lora_r}", args.lora_r)):
         result[name] = run(args, r)
         for rank, m in enumerate(result[name]):
-            print(f"{name:10s} rank {rank}: peak rise {m['peak_rise_mib']:.0f} MiB; params {m['params_mib']:.0f}, "
+            print(f"{name:10s} rank {rank}: peak rise building {m['build_peak_rise_mib']:.0f} MiB, held after "
+                  f"building {m['rss_after_build_rise_mib']:.0f} MiB, peak rise in 2 steps "
+                  f"{m['steps_peak_rise_mib']:.0f} MiB; params {m['params_mib']:.0f}, "
                   f"grads {m['grads_mib']:.1f}, optimizer {m['optimizer_mib']:.1f}, reference "
                   f"{m['reference_mib']:.0f} MiB; trainable {m['trainable_params']}", flush=True)
     print(json.dumps(dict(model=args.model or "tiny", world=args.world, beta=args.beta, ranks=result)))

@@ -125,7 +125,15 @@ def adapter_to_model_names(adapter_sd: dict[str, torch.Tensor]) -> dict[str, tor
 
 def save_adapter(out_dir, model_sd: dict[str, torch.Tensor], lcfg, base_name: str | None) -> None:
     """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
+    import json
+
     from safetensors.torch import save_file
     _peft_config(lcfg, base_name).save_pretrained(str(out_dir))
+    # peft keeps target_modules as a set: its JSON order changes with the process's hash seed. Sorted, the same
+    # run writes the same bytes (a resumed run's checkpoints equal the uninterrupted run's).
+    path = out_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
     save_file({k: v.contiguous() for k, v in adapter_state(model_sd).items()},
               str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -215,3 +215,29 @@ def test_lora_resume_is_bitwise_and_checkpoints_load_with_peft(tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(str(a / "merged")).eval()(input_ids=ids).logits
     assert (adapted - plain).abs().max() > 1e-4  # the adapter learned something
     assert torch.allclose(adapted, merged, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ real model
+def _real_lora_step(rank, world_size, model_dir):
+    """One LoRA step of SmolLM2 on fixed rollouts; on 2 ranks rank 1 builds on the meta device and gets rank 0's
+    weights and adapters by broadcast."""
+    from grpo_dist.distributed import init_distributed
+    init_distributed(300)
+    batch, rewards = fixed_rollout()
+    per_rank = PROMPTS // world_size
+    rows = list(range(rank * per_rank * G, (rank + 1) * per_rank * G))
+    trainer = _trainer(world_size, [f"model.name_or_path={model_dir}", "learning_rate=1e-4"], 4)
+    _set_lora_b(trainer, 0.01)
+    metrics = trainer.learn(batch.rows(rows), rewards[rows])
+    sd, _ = trainer.engine.gather_full_state()
+    return (_adapters(sd), metrics) if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_lora_real_model_two_ranks_equal_one(smollm2_dir, tmp_path):
+    one, m1 = run_ranks(_real_lora_step, 1, tmp_path, str(smollm2_dir))[0]
+    two, m2 = run_ranks(_real_lora_step, 2, tmp_path, str(smollm2_dir))[0]
+    assert m1["kl"] > 0 and abs(m1["loss"] - m2["loss"]) < 1e-5 and abs(m1["kl"] - m2["kl"]) < 1e-6
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6), k
