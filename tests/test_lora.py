@@ -121,16 +121,39 @@ def _lora_step(rank, world_size, micro_batch_size, hand):
         from grpo_dist.models import load_model
         plain = load_model(trainer.cfg.model, trainer.tokenizer)
         expected = _hand_step(plain, _adapters(before), batch, rewards)
+    grad_sizes = _record_gradient_sizes(trainer)
     metrics = trainer.learn(batch.rows(rows), rewards[rows])
     after, optim = trainer.engine.gather_full_state()
     trainer.engine.copy_weights_to(trainer.gen_model)
     if rank:
         return None
     trainable = [k for k in optim["state"]] if optim else []
-    return dict(before=before, after=after, metrics=metrics, expected=expected, trainable=trainable,
+    return dict(before=before, after=after, metrics=metrics, expected=expected, trainable=trainable, grads=grad_sizes,
                 gen={k: v.clone() for k, v in trainer.gen_model.state_dict().items()})
 
 
+def _record_gradient_sizes(trainer):
+    """Before the optimizer step: (gradient elements held, of which adapter gradients), counted on FSDP's flat
+    parameters when the policy is FSDP-wrapped (what the memory holds), else on the parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    seen = []
+    step = trainer.engine.step
+
+    def recording_step(skip=False):
+        m = trainer.engine.module
+        adapter = sum(p.grad.numel() for n, p in m.named_parameters() if p.grad is not None and ".lora_" in n)
+        if isinstance(m, FSDP):
+            flats = [u._handle.flat_param for u in FSDP.fsdp_modules(m) if u._handle is not None]
+            held = sum(f.grad.numel() for f in flats if f.grad is not None)
+        else:
+            held = sum(p.grad.numel() for p in m.parameters() if p.grad is not None)
+        seen.append((held, adapter))
+        return step(skip)
+    trainer.engine.step = recording_step
+    return seen
+
+
+@pytest.mark.slow
 def test_lora_step_equals_the_step_by_hand_and_two_ranks_equal_one(tmp_path):
     one = run_ranks(_lora_step, 1, tmp_path, 64, True)[0]
     (expected, hand_loss) = one["expected"]
@@ -154,6 +177,9 @@ def test_lora_step_equals_the_step_by_hand_and_two_ranks_equal_one(tmp_path):
         elif k in one["after"]:
             assert torch.equal(w, one["after"][k]), k
     two = run_ranks(_lora_step, 2, tmp_path, 3, False)[0]
+    # FSDP holds gradients for the adapters only (not for the frozen base weights sharing a unit with them)
+    (held, adapter), = two["grads"]
+    assert adapter > 0 and held == adapter, (held, adapter)
     for k in expected:
         assert torch.allclose(two["after"][k], one["after"][k], atol=1e-6), k
     assert abs(two["metrics"]["loss"] - one["metrics"]["loss"]) < 1e-6

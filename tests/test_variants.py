@@ -331,6 +331,7 @@ def _dynamic_steps(rank, world_size, max_rounds):
     return metrics, seen
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_two_ranks_agree_on_rounds_and_keep_the_target(tmp_path):
     # target 4 groups (2 prompts x 2 ranks): round 1 gives 0 + 2, round 2 gives 1 + 2 -> stop after 2 rounds;
     # 5 found, rank 0 keeps its 1, rank 1 keeps 3
