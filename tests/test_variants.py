@@ -381,3 +381,17 @@ def test_cpu_offload_deepspeed_config(stage):
     assert ("offload_param" in zero) == (stage == 3)
     off = build_deepspeed_config(load_config(None, BASE + ["distributed.backend=deepspeed"]), 2)["zero_optimization"]
     assert "offload_optimizer" not in off and "offload_param" not in off
+
+
+def test_concat_rollouts_keeps_every_row_and_pads_on_the_right_sides():
+    from grpo_dist.rollout import concat_rollouts
+    batch, _ = fixed_rollout()
+    parts = [batch.rows([0, 1]), batch.rows([5]), batch.rows([9, 15])]  # trimmed to different widths
+    assert len({p.prompt_ids.shape[1] for p in parts}) > 1 or len({p.completion_ids.shape[1] for p in parts}) > 1
+    out = concat_rollouts(parts, pad_id=0)
+    for j, i in enumerate([0, 1, 5, 9, 15]):
+        P, n = int(batch.prompt_mask[i].sum()), int(batch.completion_mask[i].sum())
+        assert torch.equal(out.prompt_ids[j, out.prompt_ids.shape[1] - P:], batch.prompt_ids[i, -P:])
+        assert int(out.prompt_mask[j].sum()) == P and out.prompt_mask[j, -P:].all()  # left-padded
+        assert torch.equal(out.completion_ids[j, :n], batch.completion_ids[i, :n])
+        assert int(out.completion_mask[j].sum()) == n and out.completion_mask[j, :n].all()  # right-padded
