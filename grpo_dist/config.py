@@ -93,7 +93,7 @@ class DistributedConfig:
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when no deepspeed_config is given", (2, 3))
     cpu_offload: bool = _f(False, "keep parameters and optimizer state in host memory between uses: FSDP "
                            "CPUOffload(offload_params) with the optimizer step on the CPU; DeepSpeed ZeRO "
-                           "offload_optimizer (+ offload_param at stage 3) when no deepspeed_config is given. "
+                           "offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets them. "
                            "Refused on a CPU-only run, where everything is in host memory already")
 
 
@@ -101,7 +101,8 @@ class DistributedConfig:
 class LoraConfig:
     r: int = _f(0, "LoRA rank (0: off, every weight is trained); > 0 trains low-rank adapters only (peft)")
     alpha: float = _f(16.0, "LoRA scaling numerator: the update is (alpha / r) * B @ A")
-    dropout: float = _f(0.0, "dropout on the adapter input, in the training forward only")
+    dropout: float = _f(0.0, "dropout on the adapter input, in the policy's forwards (training and old log-probs); "
+                        "not in the reference (adapters off) nor the merged generation copy")
     target_modules: list = _f(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                 "down_proj"],
                               help="module names that get adapters (peft's target_modules)")
@@ -153,7 +154,7 @@ class GRPOConfig:
     reward_timeout_s: float = _f(5.0, "hard time limit per graded completion")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
     # Loss
-    beta: float = _f(0.04, "weight of the k3 KL penalty to the reference model (0: no reference model)")
+    beta: float = _f(0.04, "weight of the KL penalty to the reference model (kl_estimator; 0: no reference model)")
     epsilon: float = _f(0.2, "lower clip range of the PPO ratio")
     epsilon_high: Optional[float] = _f(None, "upper clip range (None: epsilon)")
     loss_type: str = _f("token_mean", "loss aggregation",
