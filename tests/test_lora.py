@@ -267,3 +267,24 @@ def test_lora_real_model_two_ranks_equal_one(smollm2_dir, tmp_path):
     assert m1["kl"] > 0 and abs(m1["loss"] - m2["loss"]) < 1e-5 and abs(m1["kl"] - m2["kl"]) < 1e-6
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6), k
+
+
+def _dropout_check(rank, world_size):
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.rollout import completion_logits, sequence_inputs
+    init_distributed(60)
+    batch, _ = fixed_rollout()
+    trainer = _trainer(1, ["lora.dropout=0.5"])
+    _set_lora_b(trainer, 0.5)
+    trainer.engine.copy_weights_to(trainer.gen_model)
+    rows = batch.rows([0, 1])
+    with torch.no_grad():
+        policy = [completion_logits(trainer.engine.module, rows) for _ in range(2)]
+        ref = [completion_logits(trainer.ref_model, rows) for _ in range(2)]
+        gen = [trainer.gen_model(**sequence_inputs(rows)).logits for _ in range(2)]
+    return not torch.equal(*policy), torch.equal(*ref), torch.equal(*gen)
+
+
+def test_lora_dropout_acts_in_the_policy_only(tmp_path):
+    policy_stochastic, ref_fixed, gen_fixed = run_ranks(_dropout_check, 1, tmp_path)[0]
+    assert policy_stochastic and ref_fixed and gen_fixed
