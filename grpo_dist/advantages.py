@@ -37,3 +37,17 @@ def zero_advantage_groups(rewards: torch.Tensor, num_generations: int) -> torch.
     """[n_prompts] bool: groups whose completions all got the same reward, so they teach nothing."""
     grouped = rewards.float().view(-1, num_generations)
     return (grouped == grouped[:, :1]).all(dim=1)
+
+
+def dynamic_sampling_quota(counts: list[int], target: int) -> list[int]:
+    """Groups each rank keeps, given how many non-zero-advantage groups each has (`counts`, by rank): in total
+    min(target, sum(counts)), dealt round-robin so the ranks stay as even as their counts allow. The same answer
+    on every rank."""
+    keep = [0] * len(counts)
+    left = min(target, sum(counts))
+    while left > 0:
+        for r in range(len(counts)):
+            if left and keep[r] < counts[r]:
+                keep[r] += 1
+                left -= 1
+    return keep

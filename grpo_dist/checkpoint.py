@@ -37,6 +37,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults
 
 MANIFEST = "manifest.json"
+LORA_ADAPTER_FILE = "adapter_model.safetensors"
 SHARDED_DIR = "sharded"
 TMP_PREFIX = ".tmp-checkpoint-"
 # save_format=auto writes full-state checkpoints up to this many parameters, sharded (DCP) ones above. A full-state
@@ -290,7 +291,7 @@ def _save_hf_config(hf_model, out: Path) -> None:
 # --------------------------------------------------------------------------------------------------- save, load
 def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
-                    save_format: str = "full") -> Path:
+                    save_format: str = "full", lora_cfg=None, base_name: str | None = None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
     writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune.
     A write error on any rank (a full disk) raises CheckpointError on every rank, naming the last good checkpoint;
@@ -314,7 +315,8 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
     else:
         model_sd, optim_sd = engine.gather_full_state()
     try:
-        _write_main_files(tmp, save_format, hf_model, ctx, model_sd, optim_sd)
+        _write_main_files(tmp, save_format, hf_model, ctx, model_sd, optim_sd, lora_cfg, base_name,
+                          tokenizer)
     except OSError as e:
         error = _write_error(e, ctx.rank)
     del model_sd, optim_sd
@@ -342,12 +344,17 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
     return final
 
 
-def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, optim_sd) -> None:
-    """Rank 0's HF files (config.json, and for save_format=full the weights) and the gathered optimizer state."""
+def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, optim_sd, lora_cfg=None,
+                      base_name=None, tokenizer=None) -> None:
+    """Rank 0's HF files (config.json, and for save_format=full the weights, or the LoRA adapter) and the gathered
+    optimizer state."""
     if not ctx.is_main:
         return
     _save_hf_config(hf_model, tmp)  # what from_pretrained / an export needs besides the weights
-    if save_format != "sharded":
+    if save_format != "sharded" and lora_cfg is not None:
+        _save_lora(tmp, model_sd, lora_cfg, base_name, hf_model, tokenizer)
+        torch.save(optim_sd, tmp / "optimizer.pt")
+    elif save_format != "sharded":
         write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
                          lambda names: {k: model_sd[k] for k in names},
                          getattr(hf_model.config, "tie_word_embeddings", False))
@@ -369,6 +376,21 @@ def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> 
     last = latest_checkpoint(out)
     raise CheckpointError(f"writing checkpoint-{step} in {out} failed: {first}; the last good checkpoint is "
                           f"{last if last else 'none (no complete checkpoint in output_dir)'}")
+
+
+def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokenizer) -> None:
+    """LoRA: the adapter in peft's format (the base weights are the model's own, never changed), and with
+    lora.save_merged an HF directory merged/ of the base model with the adapter merged in."""
+    from grpo_dist import lora
+    lora.save_adapter(out, model_sd, lora_cfg, base_name)
+    if lora_cfg.save_merged:
+        merged = lora.merged(model_sd, lora.scaling(lora_cfg))
+        (out / "merged").mkdir()
+        _save_hf_config(hf_model, out / "merged")
+        write_hf_weights(out / "merged", {k: (v.shape, v.dtype) for k, v in merged.items()},
+                         lambda names: {k: merged[k] for k in names},
+                         getattr(hf_model.config, "tie_word_embeddings", False))
+        tokenizer.save_pretrained(out / "merged")
 
 
 def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) -> None:
@@ -395,13 +417,20 @@ def load_checkpoint(path: Path, engine, ctx, hf_model=None) -> dict:
     else:
         from safetensors.torch import load_file
         model_sd = optim_sd = None
+        adapter = path / LORA_ADAPTER_FILE
+        if adapter.is_file():  # LoRA: the base weights as built at start, the adapter from the checkpoint
+            model_sd, _ = engine.gather_full_state()
         if ctx.is_main:
-            model_sd = {}
-            for f in sorted(path.glob("*.safetensors")):
-                model_sd.update(load_file(str(f)))
-            for alias, source in (tied_aliases(hf_model) if hf_model is not None else {}).items():
-                if alias not in model_sd and source in model_sd:  # the engines' strict loads want both names
-                    model_sd[alias] = model_sd[source]
+            if adapter.is_file():
+                from grpo_dist.lora import adapter_to_model_names
+                model_sd.update(adapter_to_model_names(load_file(str(adapter))))
+            else:
+                model_sd = {}
+                for f in sorted(path.glob("*.safetensors")):
+                    model_sd.update(load_file(str(f)))
+                for alias, source in (tied_aliases(hf_model) if hf_model is not None else {}).items():
+                    if alias not in model_sd and source in model_sd:  # the engines' strict loads want both names
+                        model_sd[alias] = model_sd[source]
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd

@@ -92,6 +92,22 @@ class DistributedConfig:
     num_threads: Optional[int] = _f(None, "torch threads per rank on CPU (None: OMP_NUM_THREADS or 1 under torchrun)")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON/YAML config (backend=deepspeed)")
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when no deepspeed_config is given", (2, 3))
+    cpu_offload: bool = _f(False, "keep parameters and optimizer state in host memory between uses: FSDP "
+                           "CPUOffload(offload_params) with the optimizer step on the CPU; DeepSpeed ZeRO "
+                           "offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets them. "
+                           "Refused on a CPU-only run, where everything is in host memory already")
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(0, "LoRA rank (0: off, every weight is trained); > 0 trains low-rank adapters only (peft)")
+    alpha: float = _f(16.0, "LoRA scaling numerator: the update is (alpha / r) * B @ A")
+    dropout: float = _f(0.0, "dropout on the adapter input, in the policy's forwards (training and old log-probs); "
+                        "not in the reference (adapters off) nor the merged generation copy")
+    target_modules: list = _f(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"],
+                              help="module names that get adapters (peft's target_modules)")
+    save_merged: bool = _f(False, "checkpoints also hold the merged model (merged/, an HF directory)")
 
 
 @dataclass
@@ -138,18 +154,35 @@ class GRPOConfig:
     scale_rewards: str = _f("group", "std used to scale advantages: group | batch | none (Dr. GRPO)",
                             ("group", "batch", "none"))
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: groups whose rewards are all equal are dropped and "
+                                "more prompts sampled (prompts_per_rank per rank per round) until the step has "
+                                "prompts_per_rank x world_size groups with non-zero advantages, or the rounds run out")
+    dynamic_sampling_max_rounds: int = _f(4, "generation rounds per step at most with dynamic_sampling (1: no "
+                                          "extra round); with too few groups at the cap the step trains on those")
+    mask_truncated_completions: bool = _f(False, "completions without EOS (cut at max_completion_length) take no "
+                                          "part in the loss; they still count in their group's advantages")
     reward_timeout_s: float = _f(5.0, "hard time limit per graded completion")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
     reward_fail_on_all_errors: bool = _f(True, "stop (exit 2) when a reward function fails (raises, times out, "
                                          "returns a non-number) on every completion of a step; fewer failures "
                                          "score 0 and are counted in the metrics reward_errors/<name>")
     # Loss
-    beta: float = _f(0.04, "weight of the k3 KL penalty to the reference model (0: no reference model)")
+    beta: float = _f(0.04, "weight of the KL penalty to the reference model (kl_estimator; 0: no reference model)")
     epsilon: float = _f(0.2, "lower clip range of the PPO ratio")
     epsilon_high: Optional[float] = _f(None, "upper clip range (None: epsilon)")
     loss_type: str = _f("token_mean", "loss aggregation",
                         ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"))
     num_iterations: int = _f(1, "updates per rollout batch (PPO epochs); >1 stores old log-probs")
+    importance_sampling_level: str = _f("token", "ratio pi / pi_old per token (GRPO) or per sequence (GSPO: the "
+                                        "geometric mean of the token ratios)", ("token", "sequence"))
+    dual_clip_c: Optional[float] = _f(None, "dual-clip: for negative advantages the ratio counts at most c times "
+                                      "(c > 1; None: off)")
+    entropy_coef: float = _f(0.0, "entropy bonus: loss -= entropy_coef * token entropy (0: off)")
+    kl_estimator: str = _f("k3", "KL(pi || ref) estimator: k1 = log ratio, k2 = squared log ratio / 2, k3 = "
+                           "exp(-log ratio) + log ratio - 1", ("k1", "k2", "k3"))
+    kl_in_reward: bool = _f(False, "true: beta x the completion's KL (sum of the estimator over its tokens, "
+                            "policy before the update vs reference) is subtracted from its reward before "
+                            "advantages, and the loss has no KL term; false: beta x KL is a loss term")
     logprob_chunk_size: Optional[int] = _f(None, "rows of logits turned into log-probs at once (None: auto, as many "
                                            "as 16 MiB of fp32 logits on a CPU, 512 MiB on a GPU; never more)")
     # Optimisation
@@ -167,6 +200,7 @@ class GRPOConfig:
     model: ModelConfig = _f(factory=ModelConfig, help="model section")
     data: DataConfig = _f(factory=DataConfig, help="data section")
     distributed: DistributedConfig = _f(factory=DistributedConfig, help="distributed section")
+    lora: LoraConfig = _f(factory=LoraConfig, help="LoRA section")
 
     def __post_init__(self):
         self.validate()
@@ -198,6 +232,7 @@ class GRPOConfig:
                 raise ConfigError(f"config key '{k}' must be >= 0, got {v}")
         if not self.rewards:
             raise ConfigError("config key 'rewards' is empty: give at least one {function: module:function}")
+        self._validate_variants()
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
                 raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
@@ -209,6 +244,28 @@ class GRPOConfig:
                 raise ConfigError(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             raise ConfigError("config key 'data.path' (or 'data.preset') must be set")
+
+    def _validate_variants(self) -> None:
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ConfigError(f"config key 'dual_clip_c' must be > 1 (or null), got {self.dual_clip_c}")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"config key 'entropy_coef' must be >= 0, got {self.entropy_coef}")
+        if self.kl_in_reward and self.beta == 0:
+            raise ConfigError("config key 'kl_in_reward' = true needs beta > 0 (beta weighs the KL in the reward)")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ConfigError(f"config key 'dynamic_sampling_max_rounds' must be >= 1, got "
+                              f"{self.dynamic_sampling_max_rounds}")
+        lc = self.lora
+        if lc.r < 0 or (lc.r and lc.alpha <= 0) or not 0 <= lc.dropout < 1:
+            raise ConfigError(f"config keys 'lora.r' (>= 0), 'lora.alpha' (> 0), 'lora.dropout' ([0, 1)): got "
+                              f"{lc.r}, {lc.alpha}, {lc.dropout}")
+        if lc.r and not lc.target_modules:
+            raise ConfigError("config key 'lora.target_modules' must name at least one module when lora.r > 0")
+        if lc.r and self.distributed.backend != "fsdp":
+            raise ConfigError("config key 'lora.r' > 0 needs distributed.backend=fsdp (DeepSpeed: not supported)")
+        if lc.r and self.save_format == "sharded":
+            raise ConfigError("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
+                              "checkpoints hold the adapter (small); use full or auto")
 
     @property
     def clip_high(self) -> float:

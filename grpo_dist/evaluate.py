@@ -53,9 +53,9 @@ def k_values(n: int) -> list[int]:
     return ks + [n]
 
 
-def _correct_flags(rewards, completions, references) -> list[bool]:
+def _correct_flags(rewards, completions, references, lengths=None, max_len=None) -> list[bool]:
     """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
-    totals, per_function = rewards(completions, references)
+    totals, per_function = rewards(completions, references, lengths, max_len)
     first = next(iter(per_function.values()), totals) if per_function else totals
     return [float(r) >= 1.0 for r in first]
 
@@ -72,7 +72,8 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
                                   cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                   cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
                                   lean_decoder=cfg.lean_decoder)
-        flags = _correct_flags(rewards, batch.completions, batch.references)
+        flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
+                               cfg.max_completion_length)
         if sample_out is not None and not sample_out and batch.completions:
             sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]

@@ -114,6 +114,51 @@ def selective_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: 
     return out.view(shape)
 
 
+class _SelectiveLogProbEntropy(torch.autograd.Function):
+    """(log_softmax(z)[label], entropy(softmax(z))) with z = logits / t, both differentiable, chunk by chunk.
+
+    For the entropy bonus (entropy_coef): dH/dz_j = -p_j * (log p_j + H), so the backward adds
+    -grad_H * p * (logp + H) / t to the log-prob gradient, from the same recomputed chunk. Memory as
+    _SelectiveLogProb (one fp32 chunk at a time; overwrite_logits writes the gradient into the logits)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits):
+        entropy = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        out = _chunked_log_probs(logits, labels, chunk_size, temperature, entropy)
+        ctx.save_for_backward(logits, labels, entropy)
+        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
+        ctx.temperature, ctx.overwrite = temperature, overwrite_logits
+        return out, entropy
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_entropy):
+        logits, labels, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk_size):
+            e = s + ctx.chunk_size
+            logp = _chunk_log_softmax(logits, s, e, t)
+            p = logp.exp()
+            scale = grad_out[s:e, None] / t
+            g = (logp + entropy[s:e, None]).mul_(p).mul_(-grad_entropy[s:e, None] / t)  # entropy part
+            g.sub_(p * scale)
+            g.scatter_add_(-1, labels[s:e, None], scale)
+            grad[s:e] = g
+        return grad, None, None, None, None
+
+
+def selective_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+                                    temperature: float = 1.0, overwrite_logits: bool = False):
+    """As selective_log_probs, plus the entropy of softmax(logits / temperature) per position, both with gradient
+    (for the entropy bonus). Returns (logp, entropy), fp32, of the shape of labels."""
+    shape = labels.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    logp, entropy = _SelectiveLogProbEntropy.apply(flat_logits, flat_labels, chunk_size, temperature,
+                                                   overwrite_logits)
+    return logp.view(shape), entropy.view(shape)
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """Entropy of the next-token distribution per position, fp32, chunked (a monitoring signal, no grad)."""
@@ -132,6 +177,35 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence"):
+    k1 = logp - ref (unbiased, high variance, can be negative), k2 = (logp - ref)^2 / 2 (biased, low variance),
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, low variance, >= 0)."""
+    if estimator == "k3":
+        return k3_kl(logp, ref_logp)
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str = "token"):
+    """[B, T] ratio pi / pi_old. token: exp(logp - old) per token (GRPO). sequence: GSPO's length-normalised
+    sequence ratio exp(mean over the sequence's tokens of (logp - old)), the same value on every token of a row."""
+    log_ratio = logp - old_logp
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        return torch.exp(seq).expand_as(logp)
+    raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
+
+
 @dataclass
 class LossTerms:
     loss: torch.Tensor          # scalar to backpropagate (already divided by the global normaliser)
@@ -144,11 +218,19 @@ class LossTerms:
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               normaliser: float, loss_type: str = "token_mean", ref_logp: torch.Tensor | None = None,
               beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-              max_completion_length: int | None = None) -> LossTerms:
+              max_completion_length: int | None = None, importance_sampling_level: str = "token",
+              dual_clip_c: float | None = None, kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
+              entropy_coef: float = 0.0) -> LossTerms:
     """GRPO loss for one micro-batch.
 
     logp, old_logp, ref_logp, mask: [B, T]; advantages: [B].
     per-token: -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A) + beta * k3(logp, ref_logp),  r = exp(logp - old_logp)
+    options (defaults give the line above):
+      importance_sampling_level=sequence   r = exp(mean_t(logp - old_logp)) per sequence (GSPO)
+      dual_clip_c=c (> 1)                  for A < 0 the policy term is min(that, -c * A): the ratio counts at most
+                                           c times (dual-clip PPO; verl's clip_ratio_c)
+      kl_estimator=k1|k2|k3                the KL term's estimator (kl_estimate)
+      entropy_coef=h (with entropy [B, T]) - h * entropy is added per token (an entropy bonus), aggregated alike
     aggregation (normaliser is the count over the whole optimizer step, all micro-batches and ranks):
       token_mean            sum(per_tok * mask) / normaliser            (normaliser = number of completion tokens)
       seq_mean_token_mean   sum_seq(sum(per_tok * mask) / len_seq) / normaliser   (normaliser = number of sequences)
@@ -160,17 +242,23 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)[:, None]
-    ratio = torch.exp(logp - old_logp)
+    ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_tok = -torch.minimum(unclipped, clipped)
+    if dual_clip_c is not None:  # a huge ratio on a negative advantage must not blow up the update
+        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -dual_clip_c * adv), per_tok)
     pg_tok = per_tok
     kl = None
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        kl = k3_kl(logp, ref_logp)
+        kl = kl_estimate(logp, ref_logp, kl_estimator)
         per_tok = per_tok + beta * kl
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
+        per_tok = per_tok - entropy_coef * entropy
 
     masked = per_tok * mask
     if loss_type == "token_mean":

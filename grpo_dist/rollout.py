@@ -53,6 +53,25 @@ class RolloutBatch:
                             [self.references[i] for i in index] if self.references else [])
 
 
+def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of the rows of several (dynamic sampling's rounds): prompts left-padded, completions
+    right-padded to the widest."""
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    C = max(b.completion_ids.shape[1] for b in batches)
+
+    def pad(t, width, left, value):
+        extra = width - t.shape[1]
+        fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        return torch.cat([fill, t] if left else [t, fill], dim=1)
+
+    return RolloutBatch(torch.cat([pad(b.prompt_ids, P, True, pad_id) for b in batches]),
+                        torch.cat([pad(b.prompt_mask, P, True, 0) for b in batches]),
+                        torch.cat([pad(b.completion_ids, C, False, pad_id) for b in batches]),
+                        torch.cat([pad(b.completion_mask, C, False, 0) for b in batches]),
+                        batches[0].num_generations, [c for b in batches for c in b.completions],
+                        [r for b in batches for r in b.references])
+
+
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """1 up to and including the first EOS of each row, 0 after it (rows without EOS are all 1)."""
     eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],

@@ -29,18 +29,20 @@ import torch
 from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
-from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist import lora
+from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
+from grpo_dist.losses import (grpo_loss, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
+                              uses_sequence_normaliser)
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
+from grpo_dist.rollout import RolloutBatch, eos_token_ids, completion_logits, concat_rollouts, generate_rollouts
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -68,6 +70,9 @@ class Timer:
 class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
+        if cfg.distributed.cpu_offload and ctx.device.type == "cpu":
+            raise ConfigError("config key 'distributed.cpu_offload' = true does not apply to a CPU-only run: the "
+                              "parameters and optimizer state are in host memory already; set it false")
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
         # Data and reward functions first: their mistakes are named before minutes of model loading.
         self.train_examples = self._load_split("train")
@@ -94,13 +99,20 @@ class GRPOTrainer:
         self.gen_model.requires_grad_(False)
         prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         num_params = sum(p.numel() for p in policy.parameters())
+        if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
+            lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
         self.engine = build_engine(cfg, policy, ctx)
+        if cfg.lora.r and cfg.lora.dropout:
+            lora.activate_dropout(self.engine.module)
         if cfg.save_format == "sharded" and not self.engine.supports_sharded():
             raise ConfigError(f"config key 'save_format' = sharded is not supported by distributed.backend="
                               f"{cfg.distributed.backend}; use full or auto")
-        self.save_format = ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
+        # LoRA checkpoints hold the adapter (+ optimizer) only: always the full (gathered) format
+        self.save_format = "full" if cfg.lora.r else ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
         self.ref_model = None
-        if cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
+        if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
+            self.ref_model = lora.Reference(self.engine.module)
+        elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
             if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
                 cast_parameters_(ref, compute_dtype)
@@ -115,6 +127,7 @@ class GRPOTrainer:
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
         self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
+        self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
 
     # --------------------------------------------------------------------------------------------------- setup
     @staticmethod
@@ -228,19 +241,18 @@ class GRPOTrainer:
     def train_step(self) -> dict:
         timer = Timer()
         t0 = time.perf_counter()
-        examples = self.sampler.next_batch()
-        with timer("rollout"):
-            batch = self.rollout(examples)
-        with timer("reward"):
-            rewards, per_function = self.rewards(batch.completions, batch.references)
-        reward_errors = self._reward_errors(len(rewards))  # before the update: a broken function stops the run
+        if self.cfg.dynamic_sampling:
+            batch, rewards, per_function, sampling = self._dynamic_sample(timer)
+        else:
+            (batch, rewards, per_function), sampling = self._rollout_and_grade(timer), {}
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
-        self._log_completions(examples, batch, rewards, per_function)
+        self._log_completions(batch, rewards, per_function)
         metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
-        metrics.update(reward_errors)
+        metrics.update(self._last_reward_errors)
+        metrics.update(sampling)
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
@@ -259,19 +271,64 @@ class GRPOTrainer:
                     f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
         return {f"reward_errors/{name}": int(count) for name, count in zip(names, s[:-1])}
 
-    def _log_completions(self, examples, batch: RolloutBatch, rewards, per_function) -> None:
-        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes)."""
+    def _log_completions(self, batch: RolloutBatch, rewards, per_function) -> None:
+        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes). The prompt
+        is decoded from the batch: the text the model was given (after any truncation), whichever round of dynamic
+        sampling the row came from."""
         if not self.completion_log.enabled:
             return
         n = min(self.cfg.log_completions, len(batch))
-        G = self.cfg.num_generations
-        prompts = [render_prompt(examples[i // G], self.cfg.data, self.tokenizer) for i in range(n)]
+        prompts = [self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()]) for i in range(n)]
         self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
                                   self.last_advantages.tolist(), batch.completion_lengths.tolist())
+    def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
+        """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
+        with timer("rollout"):
+            batch = self.rollout(self.sampler.next_batch(), refresh)
+        with timer("reward"):
+            rewards, per_function = self.rewards(batch.completions, batch.references,
+                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length)
+        # before the update: a broken function stops the run (every rank runs the same rounds: same collectives)
+        errors = self._reward_errors(len(rewards))
+        self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
+            if refresh is False else errors
+        return batch, rewards, per_function
 
-    def rollout(self, examples) -> RolloutBatch:
+    def _dynamic_sample(self, timer: Timer):
+        """DAPO dynamic sampling: rounds of prompts_per_rank prompts per rank, keeping only groups whose rewards
+        differ, until all ranks together hold prompts_per_rank x world_size of them or dynamic_sampling_max_rounds
+        rounds ran. Every rank runs the same rounds (the stop test is on all-reduced counts); the surplus of the
+        last round is trimmed evenly (advantages.dynamic_sampling_quota). A rank may end with fewer groups than
+        the others, even none."""
+        cfg, G, dev = self.cfg, self.cfg.num_generations, self.ctx.device
+        target = cfg.prompts_per_rank * self.ctx.world_size
+        kept, rounds = [], 0
+        while True:
+            batch, rewards, per_fn = self._rollout_and_grade(timer, refresh=rounds == 0)  # weights are unchanged
+            rounds += 1
+            flat = zero_advantage_groups(torch.tensor(rewards, dtype=torch.float32), G)
+            kept += [(batch, rewards, per_fn, g) for g in range(len(flat)) if not flat[g]]
+            total = int(gdist.all_reduce_sum([len(kept)], dev)[0])
+            if total >= target or rounds >= cfg.dynamic_sampling_max_rounds:
+                break
+        sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_prompts": rounds * target,
+                    "dynamic_sampling_groups": min(total, target)}
+        if total == 0:  # every group of every rank was flat: the last round, as without dynamic sampling
+            return batch, rewards, per_fn, sampling
+        counts = gdist.all_reduce_sum([len(kept) if r == self.ctx.rank else 0 for r in range(self.ctx.world_size)],
+                                      dev)
+        kept = kept[:dynamic_sampling_quota([int(c) for c in counts], target)[self.ctx.rank]]
+        rows = [(b, g * G + j) for b, _, _, g in kept for j in range(G)]
+        batch = concat_rollouts([b.rows([i]) for b, i in rows], self.tokenizer.pad_token_id) if rows else \
+            batch.rows([])
+        rewards = [r[g * G + j] for _, r, _, g in kept for j in range(G)]
+        per_function = {name: [f[name][g * G + j] for _, _, f, g in kept for j in range(G)] for name in per_fn}
+        return batch, rewards, per_function, sampling
+
+    def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
         cfg = self.cfg
-        self.engine.copy_weights_to(self.gen_model)
+        if refresh:
+            self.engine.copy_weights_to(self.gen_model)
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
         return generate_rollouts(
             self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
@@ -288,6 +345,9 @@ class GRPOTrainer:
         batch = batch.to(dev)
         G = cfg.num_generations
         n_groups = len(batch) // G
+        raw_rewards = rewards
+        with timer("logprobs"):
+            rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
 
         # Advantages (groups are rank-local; the batch std, when used, is global).
         batch_std = None
@@ -302,6 +362,9 @@ class GRPOTrainer:
         rows = list(range(len(batch)))
         if cfg.skip_zero_advantage_groups:
             rows = [i for i in rows if not flat_groups[i // G]]
+        if cfg.mask_truncated_completions:  # out of the loss and its normaliser; their group statistics stand
+            truncated = self._truncated(batch)
+            rows = [i for i in rows if not truncated[i]]
         lengths = batch.completion_lengths
         # Normaliser of the whole optimizer step, over all micro-batches and ranks.
         local_norm = float(len(rows)) if uses_sequence_normaliser(cfg.loss_type) else float(lengths[rows].sum())
@@ -314,12 +377,12 @@ class GRPOTrainer:
         micro += [[] for _ in range(n_micro - len(micro))]
 
         with timer("logprobs"):
-            ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
+            ref_logp = self._score(self.ref_model, batch, micro) if self._kl_in_loss() else None
             old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
 
         # Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         # and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1).
-        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0,
+        sums = dict(loss=0.0, pg=0.0, kl=reward_kl_sum, clipped=0.0, ratio=0.0, entropy=0.0,
                     trained_tokens=float(lengths[rows].sum()))
         grad_norms, applied = [], 0
         with timer("update"):
@@ -331,17 +394,16 @@ class GRPOTrainer:
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
-                    entropy = torch.empty(mb.completion_ids.shape, device=dev) if it == 0 else None
-                    logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
-                                               overwrite_logits=True, entropy_out=entropy)
-                    if entropy is not None:
-                        sums["entropy"] += float((entropy * mb.completion_mask).sum())
+                    logp, entropy = self._logp_and_entropy(logits, mb, it == 0)
+                    if it == 0:
+                        sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
                     terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
-                                      cfg.loss_type, ref, cfg.beta, cfg.epsilon, cfg.epsilon_high,
-                                      cfg.max_completion_length)
+                                      cfg.loss_type, ref, cfg.beta if self._kl_in_loss() else 0.0, cfg.epsilon,
+                                      cfg.epsilon_high, cfg.max_completion_length, cfg.importance_sampling_level,
+                                      cfg.dual_clip_c, cfg.kl_estimator, entropy, cfg.entropy_coef)
                     # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
                     loss = terms.loss * self.ctx.world_size
                     if faults.inject("nan", self.step + 1, self.ctx.rank):
@@ -363,8 +425,52 @@ class GRPOTrainer:
         if normaliser > 0:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
-        correct = rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
+        correct = raw_rewards >= 1.0 if correct is None else correct
+        return self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms, applied)
+
+    # ------------------------------------------------------------------------------------ algorithm options
+    def _kl_in_loss(self) -> bool:
+        return self.ref_model is not None and not self.cfg.kl_in_reward
+
+    def _truncated(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N] bool: completions without an EOS token (cut at max_completion_length)."""
+        eos_ids = torch.as_tensor(eos_token_ids(self.gen_model, self.tokenizer), device=batch.completion_ids.device)
+        has_eos = (torch.isin(batch.completion_ids, eos_ids) & batch.completion_mask.bool()).any(-1)
+        return ~has_eos
+
+    def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
+        """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
+        metric (first iteration only; None otherwise)."""
+        cfg = self.cfg
+        if cfg.entropy_coef != 0.0:
+            return selective_log_probs_and_entropy(logits, mb.completion_ids, cfg.logprob_chunk_size,
+                                                   cfg.temperature, overwrite_logits=True)
+        entropy = torch.empty(mb.completion_ids.shape, device=logits.device) if want_entropy else None
+        logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
+                                   overwrite_logits=True, entropy_out=entropy)
+        return logp, entropy
+
+    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
+        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
+        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
+        cfg = self.cfg
+        if not (cfg.kl_in_reward and self.ref_model is not None):
+            return rewards, 0.0
+        dev = self.ctx.device
+        rows = list(range(len(batch)))
+        micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+        n_micro = int(gdist.all_reduce_max([len(micro)], dev)[0])
+        micro += [[] for _ in range(n_micro - len(micro))]
+        ref = self._score(self.ref_model, batch, micro)
+        pol = self._score(self.engine.module, batch, micro)
+        seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
+        for idx, r, p in zip(micro, ref, pol):
+            if idx:
+                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
+                seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
+        shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
+        return shaped, float(seq_kl.sum())
 
     def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
         """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
@@ -419,7 +525,7 @@ class GRPOTrainer:
             float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
             sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
             float(batch.prompt_mask.sum()), sums["trained_tokens"]], dev)
-        mx = gdist.all_reduce_max([float(lengths.max())], dev)
+        mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s[2], max(float(s[15]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations
         mean = float(s[0] / n)
@@ -467,4 +573,5 @@ class GRPOTrainer:
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
-                                    self.save_format)
+                                    self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
+                                    base_name=self.cfg.model.name_or_path)

@@ -125,7 +125,7 @@ def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
 
 def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:
     if cfg.distributed.backend == "fsdp":
-        if ctx.world_size == 1 and not cfg.distributed.mixed_precision:
+        if ctx.world_size == 1 and not cfg.distributed.mixed_precision and not cfg.distributed.cpu_offload:
             # One process in full precision: FSDP would shard nothing (it switches to NO_SHARD) and only add its
             # per-layer hooks, ~12% of a reference-benchmark step (bench/README.md).
             from grpo_dist.engines.local import LocalEngine

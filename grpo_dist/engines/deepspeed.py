@@ -117,6 +117,11 @@ def build_deepspeed_config(cfg, world_size: int, hidden_size: int | None = None)
                            ("stage3_param_persistence_threshold", 10 * hidden_size)):
             if zero.get(key) == "auto":
                 zero[key] = value
+    if dcfg.cpu_offload:  # fp32 masters + Adam moments (and at stage 3 the parameters) live in host memory
+        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+        if stage == 3:
+            zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)  # our torch AdamW steps the offloaded partitions
     for key in ("cpu_offload", "offload_optimizer", "offload_param"):
         if key in zero and zero[key] not in (None, False, {}) and \
                 not (isinstance(zero[key], dict) and zero[key].get("device", "none") == "none"):

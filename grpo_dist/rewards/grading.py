@@ -84,16 +84,29 @@ def _check_score(v) -> tuple[float, str | None]:
     return f, None
 
 
+LENGTH_KWARGS = ("completion_length", "max_completion_length")
+
+
+def length_kwargs_of(fn) -> tuple[str, ...]:
+    """Which of LENGTH_KWARGS the reward function names as parameters (grpo_dist.rewards.length)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(k for k in LENGTH_KWARGS if k in params)
+
+
 def _short(v) -> str:
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _call_safely(fn, completion, reference) -> tuple[float, str | None]:
+def _call_safely(fn, completion, reference, **kwargs) -> tuple[float, str | None]:
     """(score, error): a function that raises or returns a non-number scores 0.0, with the reason (a traceback for
     an exception)."""
     try:
-        return _check_score(fn(completion, reference))
+        return _check_score(fn(completion, reference, **kwargs))
     except Exception:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
         return 0.0, "raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]
 
@@ -374,43 +387,72 @@ class RewardComputer:
         self.last_errors: dict = {name: 0 for name in self.names}
         self._reported: set = set()
         self._pool = _Pool(self.num_workers, self.timeout_s) if self.num_workers > 0 else None
+        # length-aware functions read numbers only: graded here, with the token counts (never sent to workers)
+        self._length_kwargs = {name: length_kwargs_of(fn) for name, fn in zip(self.names, self.functions)}
 
     @property
     def stats(self) -> dict:
         return dict(self._pool.stats) if self._pool else {}
 
-    def __call__(self, completions: list, references: list):
+    def __call__(self, completions: list, references: list, completion_lengths: list | None = None,
+                 max_completion_length: int | None = None):
         """(totals, {name: scores}); what failed is in self.last_errors ({name: count}) and the first failure of
-        each function is printed once."""
+        each function is printed once. Functions that take completion_length / max_completion_length (length
+        shaping) are graded in this process with the token counts; the others in the worker pool."""
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         completions = [c if isinstance(c, str) else "" for c in completions]
         references = [r if isinstance(r, str) else str(r) for r in references]
         n = len(completions)
+        per_fn: dict = {}
+        errors: dict = {}
         with self._lock:
             if self._pool is not None:
-                tasks = [(spec, c, r) for spec in self.specs for c, r in zip(completions, references)]
+                pooled = [k for k, name in enumerate(self.names) if not self._length_kwargs[name]]
+                tasks = [(self.specs[k], c, r) for k in pooled for c, r in zip(completions, references)]
                 try:
                     flat, errs = self._pool.grade(tasks)
                 except RuntimeError:  # workers cannot start: grade in-process rather than stall
-                    pairs = [_call_safely(fn, c, r) for fn in self.functions for c, r in zip(completions, references)]
-                    flat, errs = [p[0] for p in pairs], [p[1] for p in pairs]
-            else:
-                pairs = [_call_safely(fn, c, r) for fn in self.functions for c, r in zip(completions, references)]
-                flat, errs = [p[0] for p in pairs], [p[1] for p in pairs]
-        per_fn = {name: flat[k * n:(k + 1) * n] for k, name in enumerate(self.names)}
+                    flat, errs = self._grade_pairs(pooled, completions, references)
+                for j, kk in enumerate(pooled):
+                    per_fn[self.names[kk]] = flat[j * n:(j + 1) * n]
+                    errors[self.names[kk]] = errs[j * n:(j + 1) * n]
+            for name, fn in zip(self.names, self.functions):
+                if name not in per_fn:
+                    per_fn[name], errors[name] = self._grade_here(fn, name, completions, references,
+                                                                  completion_lengths, max_completion_length)
+            per_fn = {name: per_fn[name] for name in self.names}  # spec order: the first is the verifier
+        self._count_errors(errors, n)
+        totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
+                  for i in range(n)]
+        return totals, per_fn
+
+    def _grade_pairs(self, indices, completions, references):
+        """In-process grading of the functions at `indices`: (flat scores, flat errors), function-major."""
+        pairs = [_call_safely(self.functions[k], c, r) for k in indices for c, r in zip(completions, references)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _grade_here(self, fn, name, completions, references, lengths, max_len) -> tuple[list, list]:
+        wanted = self._length_kwargs[name]
+        if wanted and (lengths is None or ("max_completion_length" in wanted and max_len is None)):
+            raise ValueError(f"reward function {name!r} needs {', '.join(wanted)}, which this call did not pass")
+        values = {"max_completion_length": max_len}
+        pairs = [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
+                                           for k in wanted})
+                 for i, (c, r) in enumerate(zip(completions, references))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _count_errors(self, errors: dict, n: int) -> None:
+        """last_errors = failures per function in this call; the first failure of each function is printed once."""
         self.last_errors = {}
         for k, name in enumerate(self.names):
-            mine = [e for e in errs[k * n:(k + 1) * n] if e]
+            mine = [e for e in errors[name] if e]
             self.last_errors[name] = len(mine)
             if mine and name not in self._reported:
                 self._reported.add(name)
                 print(f"[grpo_dist] reward function '{name}' ({self.specs[k]}) failed on {len(mine)} of {n} "
                       f"completions, scored 0; the first failure (printed once, all are counted in the metric "
                       f"reward_errors/{name}): {mine[0]}", file=sys.stderr, flush=True)
-        totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
-                  for i in range(n)]
-        return totals, per_fn
 
     def close(self) -> None:
         if self._pool is not None:

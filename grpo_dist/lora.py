@@ -1,0 +1,139 @@
+"""LoRA (lora.r > 0): low-rank adapters injected into the policy with peft; only they are trained.
+
+The policy stays the plain HF model class with peft's LoRA layers in place of the targeted Linear modules
+(peft.inject_adapter_in_model, no PeftModel wrapper): FSDP (use_orig_params, frozen and trainable parameters in
+one unit), the local engine, completion_logits and checkpoints see one ordinary module. Parameter names gain
+`.base_layer.` and `.lora_A.default.` / `.lora_B.default.`.
+
+- Reference model (beta > 0): the policy with its adapters switched off (`adapters_disabled`), no second model.
+- Generation replica: a plain copy of the model, refreshed with merged weights W + (alpha / r) B A (`merged`).
+- Checkpoints: adapter_config.json + adapter_model.safetensors in peft's format (PeftModel.from_pretrained
+  loads them onto the base model), and with lora.save_merged the merged HF model in merged/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+ADAPTER = "default"  # peft's adapter name
+_BASE = ".base_layer."
+_PEFT_PREFIX = "base_model.model."  # how peft's saved adapters name the model's modules
+
+
+def _peft_config(lcfg, base_name: str | None = None):
+    from peft import LoraConfig
+    return LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                      target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=base_name)
+
+
+def apply_lora(model: torch.nn.Module, lcfg, init_seed: int) -> torch.nn.Module:
+    """Inject adapters (in place) and freeze everything else. The adapter init draws from a generator seeded with
+    init_seed, so every rank starts from the same adapters (B = 0: the first forward equals the base model)."""
+    from peft import inject_adapter_in_model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        try:
+            inject_adapter_in_model(_peft_config(lcfg), model, adapter_name=ADAPTER)
+        except ValueError as e:  # peft: target modules not found in the model
+            from grpo_dist.config import ConfigError
+            raise ConfigError(f"config key 'lora.target_modules' = {list(lcfg.target_modules)}: {e}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_param(name))
+    return model
+
+
+def activate_dropout(model: torch.nn.Module) -> None:
+    """The engines put the model in eval mode (no dropout anywhere); lora.dropout > 0 asks for dropout on the
+    adapter input in the policy's forwards (the merged generation copy has none)."""
+    for name, m in model.named_modules():
+        if name.endswith(f"lora_dropout.{ADAPTER}"):
+            m.train()
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def scaling(lcfg) -> float:
+    return lcfg.alpha / lcfg.r
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The base model's forward: every LoRA layer skips its adapter. Sets peft's flag directly, because peft's
+    disable_adapter_layers also flips requires_grad (which FSDP's flat parameters must not see mid-run)."""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+class Reference(torch.nn.Module):
+    """The reference model of a LoRA run: calls the policy with its adapters disabled."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.__dict__["policy"] = policy  # not a submodule: no second registration of the policy's parameters
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)
+
+
+def merged(named: dict[str, torch.Tensor], s: float) -> dict[str, torch.Tensor]:
+    """Full parameters of the adapted model (plain names) -> the plain model's parameters with the adapters
+    merged: x.weight = x.base_layer.weight + s * x.lora_B.default.weight @ x.lora_A.default.weight."""
+    out = {}
+    for name, t in named.items():
+        if is_adapter_param(name):
+            continue
+        if _BASE not in name:
+            out[name] = t
+            continue
+        prefix, leaf = name.split(_BASE)
+        plain = f"{prefix}.{leaf}"
+        if leaf == "weight":
+            a, b = named[f"{prefix}.lora_A.{ADAPTER}.weight"], named[f"{prefix}.lora_B.{ADAPTER}.weight"]
+            t = t + s * (b.to(t.dtype) @ a.to(t.dtype))
+        out[plain] = t
+    return out
+
+
+def adapter_state(model_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors under peft's saved names (base_model.model.<module>.lora_A.weight)."""
+    return {_PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v for k, v in model_sd.items() if is_adapter_param(k)}
+
+
+def adapter_to_model_names(adapter_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of adapter_state."""
+    out = {}
+    for k, v in adapter_sd.items():
+        k = k[len(_PEFT_PREFIX):] if k.startswith(_PEFT_PREFIX) else k
+        for part in ("lora_A", "lora_B"):
+            k = k.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        out[k] = v
+    return out
+
+
+def save_adapter(out_dir, model_sd: dict[str, torch.Tensor], lcfg, base_name: str | None) -> None:
+    """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
+    import json
+
+    from safetensors.torch import save_file
+    _peft_config(lcfg, base_name).save_pretrained(str(out_dir))
+    # peft keeps target_modules as a set: its JSON order changes with the process's hash seed. Sorted, the same
+    # run writes the same bytes (a resumed run's checkpoints equal the uninterrupted run's).
+    path = out_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in adapter_state(model_sd).items()},
+              str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
