@@ -179,7 +179,8 @@ class GRPOConfig:
                 raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
                                   f"got {r!r}")
             if ":" not in r["function"]:
-                raise ConfigError(f"config key 'rewards[{i}].function' must be 'module:function', got {r['function']!r}")
+                raise ConfigError(f"config key 'rewards[{i}].function' must be 'module:function', "
+                                  f"got {r['function']!r}")
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
                 raise ConfigError(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")

@@ -29,9 +29,10 @@ import dataclasses
 import json
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from grpo_dist.config import DataConfig
 from grpo_dist.rewards.math import last_boxed  # one extractor for references and completions

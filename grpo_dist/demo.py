@@ -168,7 +168,7 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1 - i / s.sft_steps))
     bar = _progress(s.sft_steps, "warm start")
     model.train()
-    for step in range(s.sft_steps):
+    for _ in range(s.sft_steps):
         ids, mask, labels = _sft_batch(tokenizer, train, rng, s)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()

@@ -15,8 +15,6 @@ run empty micro-batches), so no path can deadlock.
 from __future__ import annotations
 
 import copy
-import math
-import os
 import random
 import signal
 import time
@@ -213,7 +211,6 @@ class GRPOTrainer:
         timer = timer or Timer()
         batch = batch.to(dev)
         G = cfg.num_generations
-        n_groups = len(batch) // G
 
         # Advantages (groups are rank-local; the batch std, when used, is global).
         batch_std = None

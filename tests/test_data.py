@@ -74,7 +74,8 @@ def test_env_data_dir(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ file formats
 
-ROWS = [{"q": "What is 2+2?", "sol": "it is \\boxed{4}"}, {"q": "Half of 10?", "sol": "\\boxed{\\frac{10}{2}} = \\boxed{5}"},
+ROWS = [{"q": "What is 2+2?", "sol": "it is \\boxed{4}"},
+        {"q": "Half of 10?", "sol": "\\boxed{\\frac{10}{2}} = \\boxed{5}"},
         {"q": "Pi?", "sol": "\\boxed{\\{3, \\pi\\}}", "extra": 1}]
 EXPECTED = [("What is 2+2?", "4"), ("Half of 10?", "5"), ("Pi?", "\\{3, \\pi\\}")]
 

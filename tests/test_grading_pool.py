@@ -163,9 +163,8 @@ def test_worker_crash_is_retried_then_scored_zero(helpers):
 
 
 def test_length_mismatch_raises():
-    with RewardComputer([MATH], num_workers=0) as rc:
-        with pytest.raises(ValueError):
-            rc(["a"], ["b", "c"])
+    with RewardComputer([MATH], num_workers=0) as rc, pytest.raises(ValueError):
+        rc(["a"], ["b", "c"])
 
 
 def _run_script(tmp_path, body, *args, module=False, timeout=120):

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from grpo_dist.config import ModelConfig
-from grpo_dist.losses import selective_log_probs
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import (_filter_scores, completion_logits, generate_rollouts, sample_from_scores,
                                sequence_inputs)

@@ -66,6 +66,7 @@ def test_texts_and_groups():
     assert batch.references == ["2", "2", "2", "4", "4", "4"]
     assert len(batch.completions) == 6
     # rows of one group share the prompt
-    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2]) and torch.equal(batch.prompt_ids[3], batch.prompt_ids[5])
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2])
+    assert torch.equal(batch.prompt_ids[3], batch.prompt_ids[5])
     for text, ids, m in zip(batch.completions, batch.completion_ids, batch.completion_mask):
         assert text == tok.decode(ids[m.bool()], skip_special_tokens=True)

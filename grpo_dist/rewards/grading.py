@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["resolve_reward_function", "RewardComputer"]
 

@@ -175,7 +175,8 @@ _UNICODE = [
     ("\u2264", "\\le "), ("\u2265", "\\ge "), ("\u2260", "\\ne "), ("\u00b0", ""),
     ("\u222a", "\\cup "), ("\u00a0", " "), ("\u2009", " "), ("\u202f", " "),
 ]
-_WRAPPERS = r"(?:text|textbf|textit|textrm|textsf|texttt|mbox|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|bm|operatorname|emph|hbox)"
+_WRAPPERS = (r"(?:text|textbf|textit|textrm|textsf|texttt|mbox|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|bm|"
+             r"operatorname|emph|hbox)")
 _UNIT_WORDS = (
     "cm|mm|km|m|meters?|metres?|centimeters?|millimeters?|kilometers?|inch|inches|in|feet|foot|ft|"
     "yards?|yd|miles?|mi|units?|square units|sq units|degrees?|deg|radians?|rad|cents?|dollars?|"
