@@ -104,6 +104,7 @@ def _write_manifest_collective(ckpt: Path, ctx) -> None:
     mine = _describe(ckpt, names[ctx.rank::ctx.world_size])
     parts = gdist.gather_object(mine)
     if ctx.is_main:
+        assert parts is not None  # gather_object returns the list on rank 0
         _write_manifest_file(ckpt, {k: v for part in parts for k, v in part.items()})
 
 

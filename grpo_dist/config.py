@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    meta = {"help": help}
+    meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
     if factory is not None:
@@ -332,7 +332,7 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
             lines.append(f"\n[{prefix}{f.name}]")
             lines += describe(hints[f.name], f"{prefix}{f.name}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         ch = f.metadata.get("choices")
         extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
         lines.append(f"{prefix}{f.name} = {json.dumps(default)}  # {f.metadata.get('help', '')}{extra}")

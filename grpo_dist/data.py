@@ -115,7 +115,8 @@ def data_dir() -> Path:
                     "); set GRPO_DIST_DATA_DIR to the folder holding gsm8k/, math500/, math_test5000/")
 
 
-def _preset_file(rel: str, preset: str) -> str:
+def _preset_file(rel: Optional[str], preset: Optional[str]) -> str:
+    assert rel is not None, preset  # only the built-in arithmetic preset has no file, and it never gets here
     p = data_dir() / rel
     if not p.is_file():
         raise DataError(f"data.preset={preset}: file {p} not found; set GRPO_DIST_DATA_DIR to the folder holding "
@@ -250,7 +251,7 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def _iter_jsonl(p: Path) -> Iterator[tuple[int, Any]]:
+def _iter_jsonl(p: Path) -> Iterator[tuple[Any, Any]]:
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -512,7 +513,7 @@ class PromptSampler:
         self._epoch = 0
         self._step = 0
         self._perm_epoch: Optional[int] = None
-        self._perm = None
+        self._perm: Any = None  # numpy permutation of epoch _perm_epoch
 
     @property
     def epoch(self) -> int:

@@ -184,7 +184,7 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     acc_train = greedy_accuracy(model, tokenizer, train)
     acc_eval = greedy_accuracy(model, tokenizer, held_out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(out)
     elapsed = time.perf_counter() - t0
     meta_path.write_text(json.dumps({"key": s.key(), "settings": asdict(s), "parameters": n_params,

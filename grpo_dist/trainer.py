@@ -285,9 +285,10 @@ class GRPOTrainer:
         correct = rewards >= 1.0 if correct is None else correct
         return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
 
-    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
-        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
-        out = []
+    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
+        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
+        micro-batch."""
+        out: list = []
         with torch.no_grad():
             for idx in micro:
                 if not idx:

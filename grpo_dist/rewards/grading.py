@@ -127,7 +127,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                     score, err = _as_score(fn(completion, reference)), None
                 except Exception as e:  # noqa: BLE001
                     score, err = 0.0, f"{type(e).__name__}: {e}"[:300]
-                out = {"v": score}
+                out: dict[str, float | str] = {"v": score}
                 if err:
                     out["e"] = err
                 proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
