@@ -70,12 +70,6 @@ class DataConfig:
 
 
 @dataclass
-class RewardSpec:
-    function: str = _f("grpo_dist.rewards:math_reward", "reward function as module:function(completion, reference)")
-    weight: float = _f(1.0, "weight of this reward in the sum")
-
-
-@dataclass
 class DistributedConfig:
     backend: str = _f("fsdp", "training engine", ("fsdp", "deepspeed"))
     sharding_strategy: str = _f("FULL_SHARD", "FSDP sharding strategy",

@@ -246,7 +246,7 @@ class GRPOTrainer:
                 nonfinite_local = False
                 for mb_index, idx in enumerate(micro):
                     if not idx:
-                        self._empty_backward(batch)
+                        self._empty_backward()
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
@@ -283,7 +283,7 @@ class GRPOTrainer:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
         correct = rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
+        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms)
 
     def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
         """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
@@ -292,7 +292,7 @@ class GRPOTrainer:
         with torch.no_grad():
             for idx in micro:
                 if not idx:
-                    model(**self._empty_inputs(batch))  # keep the FSDP all-gathers in step with other ranks
+                    model(**self._empty_inputs())  # keep the FSDP all-gathers in step with other ranks
                     out.append(None)
                     continue
                 mb = batch.rows(idx)
@@ -301,14 +301,14 @@ class GRPOTrainer:
                                                self.cfg.temperature))
         return out
 
-    def _empty_inputs(self, batch: RolloutBatch) -> dict:
+    def _empty_inputs(self) -> dict:
         pad = self.tokenizer.pad_token_id
         ids = torch.full((1, 2), pad, dtype=torch.long, device=self.ctx.device)
         return dict(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1, use_cache=False)
 
-    def _empty_backward(self, batch: RolloutBatch) -> None:
+    def _empty_backward(self) -> None:
         """A rank with fewer micro-batches still runs forward + backward (zero loss) so FSDP's collectives match."""
-        out = self.engine.module(**self._empty_inputs(batch))
+        out = self.engine.module(**self._empty_inputs())
         self.engine.backward(out.logits.sum() * 0.0)
 
     def _track_nonfinite(self, all_applied: bool) -> None:
@@ -323,7 +323,7 @@ class GRPOTrainer:
                 f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
                 f"learning_rate, check the data, or try distributed.mixed_precision=None")
 
-    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms, applied) -> dict:
+    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms) -> dict:
         dev = self.ctx.device
         lengths = batch.completion_lengths.double().cpu()
         tokens = float(lengths.sum())
