@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from test_equivalence import BASE, G, PROMPTS, fixed_rollout
+from helpers import EQUIV_BASE as BASE
+from helpers import G, PROMPTS, fixed_rollout
 
 EXAMPLE_ZERO3 = Path(__file__).resolve().parents[1] / "configs" / "deepspeed_zero3.json"
 ENGINES = {
