@@ -22,7 +22,20 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration problem, always naming the key (and file) at fault."""
+    """A configuration problem, always naming the key (and file) at fault. `problems` lists every problem found
+    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+def _raise_all(problems: list[str], where: str = "") -> None:
+    """Raise one ConfigError carrying every problem, if there are any."""
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    raise ConfigError(f"{where}{problems[0]}{more}", problems)
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
@@ -152,34 +165,40 @@ class GRPOConfig:
         self.validate()
 
     def validate(self) -> None:
-        _check_choices(self, "")
+        _raise_all(self.problems())
+
+    def problems(self) -> list[str]:
+        """Every problem of this config (validate raises with all of them)."""
+        bad = _check_choices(self, "")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
                     "micro_batch_size", "logprob_chunk_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
             if getattr(self, k) < 1:
-                raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+                bad.append(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
-        if self.num_generations < 2:
-            raise ConfigError("config key 'num_generations' must be >= 2: advantages compare completions in a group")
+            bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
+        if self.num_generations == 1:  # < 1 is reported above
+            bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         if self.temperature <= 0:
-            raise ConfigError("config key 'temperature' must be > 0")
+            bad.append("config key 'temperature' must be > 0")
         if not 0 < self.top_p <= 1:
-            raise ConfigError("config key 'top_p' must be in (0, 1]")
+            bad.append("config key 'top_p' must be in (0, 1]")
         if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ConfigError("config keys 'beta', 'epsilon', 'epsilon_high' must be >= 0")
+            bad.append("config keys 'beta', 'epsilon', 'epsilon_high' must be >= 0")
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
-                raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
-                                  f"got {r!r}")
+                bad.append(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
+                           f"got {r!r}")
+                continue
             if ":" not in r["function"]:
-                raise ConfigError(f"config key 'rewards[{i}].function' must be 'module:function', "
-                                  f"got {r['function']!r}")
+                bad.append(f"config key 'rewards[{i}].function' must be 'module:function', "
+                           f"got {r['function']!r}")
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
-                raise ConfigError(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
+                bad.append(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
-            raise ConfigError("config key 'data.path' (or 'data.preset') must be set")
+            bad.append("config key 'data.path' (or 'data.preset') must be set")
+        return bad
 
     @property
     def clip_high(self) -> float:
@@ -192,16 +211,18 @@ class GRPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-def _check_choices(obj, prefix: str) -> None:
+def _check_choices(obj, prefix: str) -> list[str]:
+    bad = []
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if dataclasses.is_dataclass(v):
-            _check_choices(v, f"{prefix}{f.name}.")
+            bad += _check_choices(v, f"{prefix}{f.name}.")
             continue
         choices = f.metadata.get("choices")
         if choices and v is not None and v not in choices:
-            raise ConfigError(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
-                              f"{', '.join(map(str, choices))}")
+            bad.append(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
+                       f"{', '.join(map(str, choices))}")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------- building from dicts
@@ -263,15 +284,25 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _from_dict(cls, d: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
+    bad = []
+    for k in sorted(set(d) - names):
         import difflib
-        k = unknown[0]
         close = difflib.get_close_matches(k, sorted(names), n=1)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in d.items()}
-    return cls(**kwargs)
+        bad.append(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for k, v in d.items():
+        if k in names:
+            try:
+                kwargs[k] = _coerce(v, hints[k], prefix + k)
+            except ConfigError as e:  # go on with the default, to report the other keys' problems too
+                bad += e.problems
+    try:
+        obj = cls(**kwargs)
+    except ConfigError as e:
+        bad += e.problems
+    _raise_all(bad)
+    return obj
 
 
 def _parse_scalar(text: str) -> Any:
@@ -283,17 +314,23 @@ def _parse_scalar(text: str) -> Any:
 
 
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """Apply every well-formed override to `d`, then raise (if any was not) naming each malformed one."""
+    bad = []
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
+            bad.append(f"override {item!r} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
+            continue
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         node = d
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+                bad.append(f"override {item!r}: '{p}' is not a section")
+                break
+        else:
+            node[parts[-1]] = _parse_scalar(text)
+    _raise_all(bad)
     return d
 
 
@@ -310,11 +347,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
-    d = apply_overrides(d, overrides or [])
+    bad = []
     try:
-        return _from_dict(GRPOConfig, d)
+        d = apply_overrides(d, overrides or [])
+    except ConfigError as e:  # the well-formed overrides are applied: check the rest of the config too
+        bad += e.problems
+    try:
+        cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        bad += e.problems
+    _raise_all(bad, f"{path}: " if path else "")
+    return cfg
 
 
 def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
@@ -333,6 +376,28 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
     return lines
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo_dist.config`: every key with its default and help.
+    `python -m grpo_dist.config --check CONFIG [key=value ...]`: the resolved config as YAML (exit 0), or every
+    problem, one per line (exit 2). CONFIG may be `none` to check overrides on the defaults."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("\n".join(describe()))
+        return 0
+    if args[0] != "--check" or len(args) < 2:
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value ...]]", file=sys.stderr)
+        return 2
+    path = None if args[1] == "none" else args[1]
+    try:
+        cfg = load_config(path, args[2:])
+    except ConfigError as e:
+        print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(describe()))
-    sys.exit(0)
+    sys.exit(main())
