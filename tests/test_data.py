@@ -11,6 +11,8 @@ from grpo_dist.config import DataConfig
 from grpo_dist.data import (DataError, PromptExample, PromptSampler, extract_reference, load_examples,
                             render_prompt, resolve_data_config, synthetic_arithmetic)
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 SHARED = Path(os.environ.get("GRPO_DIST_DATA_DIR", "/work/shared/data"))
 needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "test.jsonl").is_file(), reason="shared data not present")
 

@@ -11,6 +11,8 @@ import pytest
 
 from grpo_dist.rewards import RewardComputer, math_reward, resolve_reward_function
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH = {"function": "grpo_dist.rewards:math_reward", "weight": 1.0}
 

@@ -6,6 +6,7 @@ a one-rank checkpoint resumes on two FSDP ranks with the same weights and optimi
 import contextlib
 import copy
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -80,6 +81,7 @@ def test_fsdp_wrap_auto_makes_a_small_model_one_unit_and_layer_one_per_decoder_l
     assert (units, ref_units) == (1 + layers, 1 + layers)
 
 
+@pytest.mark.fast
 def test_fsdp_wrap_auto_threshold_counts_parameters_also_on_meta_models():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
