@@ -114,12 +114,13 @@ def bench_save_load(repeats: int) -> None:
             results[fmt] = [json.load(open(f"{res}.{r}")) for r in range(2)]
     print(f"model: {results['full'][0]['params'] / 1e6:.1f}M parameters, 2 ranks (gloo, CPU); times: median of "
           f"{repeats}, slower rank; memory: first save/load in a fresh process")
-    print("| format | checkpoint size | save s | load s | rank-0 RSS rise: save | load | rank-1 RSS rise: save | load |")
+    print("| format | checkpoint size | save s | load s | rank-0 RSS rise: save | load "
+          "| rank-1 RSS rise: save | load |")
     print("|---|---|---|---|---|---|---|---|")
     for fmt, (r0, r1) in results.items():
         a, b = r0["rows"], r1["rows"]
 
-        def med(i):
+        def med(i, a=a, b=b):
             return max(statistics.median(x[i] for x in a), statistics.median(x[i] for x in b))
         print(f"| {fmt} | {a[0][4] / 2**20:.0f} MiB | {med(0):.2f} | {med(2):.2f} | {a[0][1]:.0f} MiB | "
               f"{a[0][3]:.0f} MiB | {b[0][1]:.0f} MiB | {b[0][3]:.0f} MiB |")

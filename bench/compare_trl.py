@@ -16,7 +16,8 @@ How the settings map (grpo_dist key = TRL GRPOConfig field):
     (one optimizer step per rollout batch)  = gradient_accumulation_steps=1, steps_per_generation=1
     num_generations=8                       = num_generations=8
     max_completion_length=64                = max_completion_length=64
-    exact length (min = max new tokens)     = generation_kwargs={"min_new_tokens": 64}  (grpo_dist: min_completion_length)
+    exact length (min = max new tokens)     = generation_kwargs={"min_new_tokens": 64}
+                                              (grpo_dist: min_completion_length)
     beta=0.04                               = beta=0.04 (TRL then builds and runs a reference model, like us)
     loss_type=token_mean                    = loss_type="dapo" (both: masked token sum / tokens of the global batch)
     epsilon=0.2, scale_rewards=group        = epsilon=0.2, scale_rewards="group"

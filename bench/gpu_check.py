@@ -220,7 +220,7 @@ def cmd_train(a) -> None:
         print(f"CHECK resume from {ck.name} ({a.format}): FAILED at start: {type(e).__name__}: "
               f"{str(e).splitlines()[0][:300]}", flush=True)
         result(stage="resume", format=a.format, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     rows2 = run_steps(tr2, a.steps, "resumed")
     got = full_weights(tr2)
     diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)

@@ -91,11 +91,11 @@ def main(argv=None):
         model = build(attn).eval().requires_grad_(False)
         n_params = sum(p.numel() for p in model.parameters())
         reset_peak()
-        hf_tps = rollout_tokens_per_s(lambda: HFDecoder(model))
+        hf_tps = rollout_tokens_per_s(lambda m=model: HFDecoder(m))
         hf_peak = peak_gib()
         prepare_replica(model)
         reset_peak()
-        lean_tps = rollout_tokens_per_s(lambda: LeanDecoder(model))
+        lean_tps = rollout_tokens_per_s(lambda m=model: LeanDecoder(m))
         lean_peak = peak_gib()
         for ac in (False, True):
             model.train().requires_grad_(True)

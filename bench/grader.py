@@ -159,9 +159,11 @@ def _report(grader: str, path: str, cases: list, gots: list, lat: list) -> None:
             else:
                 fn_ += 1
     n = len(cases)
-    print(f"[{grader}] labelled set {os.path.relpath(path, ROOT)}: {n} cases ({sum(_label(c) for c in cases)} positive)")
+    print(f"[{grader}] labelled set {os.path.relpath(path, ROOT)}: {n} cases "
+          f"({sum(_label(c) for c in cases)} positive)")
     print(f"  accuracy {100.0 * (n - fp - fn_) / n:.1f}%  false positives {fp}  false negatives {fn_}")
-    print(f"  latency p50 {1e3 * statistics.median(lat):.2f} ms  p99 {1e3 * pct(lat, 0.99):.2f} ms  max {1e3 * max(lat):.2f} ms")
+    print(f"  latency p50 {1e3 * statistics.median(lat):.2f} ms  p99 {1e3 * pct(lat, 0.99):.2f} ms  "
+          f"max {1e3 * max(lat):.2f} ms")
     if miss:
         print("  misses by category: " + ", ".join(f"{k} {v}" for k, v in miss.most_common()))
 
@@ -199,11 +201,11 @@ def bench_hostile(grader: str, path: str, timeout: float) -> None:
 
 
 def gsm8k_mix(path: str, limit: int) -> tuple:
-    refs = [json.loads(l)["answer"].split("####")[-1].strip() for l in open(path, encoding="utf-8")][:limit]
+    refs = [json.loads(line)["answer"].split("####")[-1].strip() for line in open(path, encoding="utf-8")][:limit]
     filler = ("Let's think step by step. First we compute the cost of each item, then multiply by the "
               "number of items and subtract what was already paid. ") * 6
     comps, out_refs = [], []
-    for i, r in enumerate(refs):
+    for r in refs:
         n = r.replace(",", "")
         variants = [f"{filler}\nSo the answer is $\\boxed{{{r}}}$.",
                     f"{filler}\n#### {n}",

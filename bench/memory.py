@@ -142,7 +142,8 @@ def main():
     model.save_pretrained(work)
     tok.save_pretrained(work)
     del model
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
     summary = dict(params=n_params, model_mib=round(n_params * 4 / 2**20, 1))
     print(f"model: {n_params / 1e6:.1f}M params ({n_params * 4 / 2**20:.0f} MiB fp32), hidden {args.hidden}, "
           f"{args.layers} layers, vocab {args.vocab}")

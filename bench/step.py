@@ -129,7 +129,7 @@ def main(argv=None):
 
     def timed_copy(replica):
         t0 = time.perf_counter()
-        copy(replica)
+        copy(replica)  # noqa: F821 (deleted only after the last step)
         sync_times.append(time.perf_counter() - t0)
     trainer.engine.copy_weights_to = timed_copy
 

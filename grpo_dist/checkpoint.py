@@ -94,11 +94,6 @@ def _files(ckpt: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(ckpt: Path) -> None:
-    """Single-process manifest (the collective save splits the hashing over ranks, see _write_manifest_collective)."""
-    _write_manifest_file(ckpt, _describe(ckpt, _files(ckpt)))
-
-
 def _write_manifest_file(ckpt: Path, files: dict) -> None:
     tmp = ckpt / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -115,6 +110,7 @@ def _write_manifest_collective(ckpt: Path, ctx) -> None:
     mine = _describe(ckpt, names[ctx.rank::ctx.world_size])
     parts = gdist.gather_object(mine)
     if ctx.is_main:
+        assert parts is not None  # gather_object returns the list on rank 0
         _write_manifest_file(ckpt, {k: v for part in parts for k, v in part.items()})
 
 

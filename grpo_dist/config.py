@@ -23,11 +23,24 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration problem, always naming the key (and file) at fault."""
+    """A configuration problem, always naming the key (and file) at fault. `problems` lists every problem found
+    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+def _raise_all(problems: list[str], where: str = "") -> None:
+    """Raise one ConfigError carrying every problem, if there are any."""
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    raise ConfigError(f"{where}{problems[0]}{more}", problems)
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    meta = {"help": help}
+    meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
     if factory is not None:
@@ -68,12 +81,6 @@ class DataConfig:
     eval_limit: Optional[int] = _f(64, "number of held-out prompts evaluated each eval_steps")
     arithmetic: dict = _f(factory=dict, help="options of the built-in arithmetic set: {num_examples, max_operand, "
                           "num_operands, ops, seed}")
-
-
-@dataclass
-class RewardSpec:
-    function: str = _f("grpo_dist.rewards:math_reward", "reward function as module:function(completion, reference)")
-    weight: float = _f(1.0, "weight of this reward in the sum")
 
 
 @dataclass
@@ -206,66 +213,75 @@ class GRPOConfig:
         self.validate()
 
     def validate(self) -> None:
-        _check_choices(self, "")
+        _raise_all(self.problems())
+
+    def problems(self) -> list[str]:
+        """Every problem of this config, in the order of the checks (validate raises one ConfigError with all of
+        them; `python -m grpo_dist.config --check` prints them all)."""
+        bad = _check_choices(self, "")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
                     "micro_batch_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
             if getattr(self, k) < 1:
-                raise ConfigError(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
+                bad.append(f"config key '{k}' must be >= 1, got {getattr(self, k)}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
-            raise ConfigError(f"config key 'logprob_chunk_size' must be >= 1 or null (auto), got "
+            bad.append(f"config key 'logprob_chunk_size' must be >= 1 or null (auto), got "
                               f"{self.logprob_chunk_size}")
         if self.log_completions < 0:
-            raise ConfigError(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
+            bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
+            bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         if self.num_generations < 2:
-            raise ConfigError("config key 'num_generations' must be >= 2: advantages compare completions in a group")
-        _check_numbers(self)
+            bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
+        bad += _number_problems(self)
         if not self.temperature > 0:
-            raise ConfigError(f"config key 'temperature' must be > 0, got {self.temperature}")
+            bad.append(f"config key 'temperature' must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ConfigError("config key 'top_p' must be in (0, 1]")
+            bad.append("config key 'top_p' must be in (0, 1]")
         for k in ("beta", "epsilon", "epsilon_high"):
             v = getattr(self, k)
             if v is not None and not v >= 0:
-                raise ConfigError(f"config key '{k}' must be >= 0, got {v}")
+                bad.append(f"config key '{k}' must be >= 0, got {v}")
         if not self.rewards:
-            raise ConfigError("config key 'rewards' is empty: give at least one {function: module:function}")
-        self._validate_variants()
+            bad.append("config key 'rewards' is empty: give at least one {function: module:function}")
+        bad += self._variant_problems()
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
-                raise ConfigError(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
-                                  f"got {r!r}")
+                bad.append(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
+                           f"got {r!r}")
+                continue
             if ":" not in r["function"]:
-                raise ConfigError(f"config key 'rewards[{i}].function' must be 'module:function', got {r['function']!r}")
+                bad.append(f"config key 'rewards[{i}].function' must be 'module:function', got {r['function']!r}")
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
-                raise ConfigError(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
+                bad.append(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
-            raise ConfigError("config key 'data.path' (or 'data.preset') must be set")
+            bad.append("config key 'data.path' (or 'data.preset') must be set")
+        return bad
 
-    def _validate_variants(self) -> None:
+    def _variant_problems(self) -> list[str]:
+        bad = []
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ConfigError(f"config key 'dual_clip_c' must be > 1 (or null), got {self.dual_clip_c}")
+            bad.append(f"config key 'dual_clip_c' must be > 1 (or null), got {self.dual_clip_c}")
         if self.entropy_coef < 0:
-            raise ConfigError(f"config key 'entropy_coef' must be >= 0, got {self.entropy_coef}")
+            bad.append(f"config key 'entropy_coef' must be >= 0, got {self.entropy_coef}")
         if self.kl_in_reward and self.beta == 0:
-            raise ConfigError("config key 'kl_in_reward' = true needs beta > 0 (beta weighs the KL in the reward)")
+            bad.append("config key 'kl_in_reward' = true needs beta > 0 (beta weighs the KL in the reward)")
         if self.dynamic_sampling_max_rounds < 1:
-            raise ConfigError(f"config key 'dynamic_sampling_max_rounds' must be >= 1, got "
+            bad.append(f"config key 'dynamic_sampling_max_rounds' must be >= 1, got "
                               f"{self.dynamic_sampling_max_rounds}")
         lc = self.lora
         if lc.r < 0 or (lc.r and lc.alpha <= 0) or not 0 <= lc.dropout < 1:
-            raise ConfigError(f"config keys 'lora.r' (>= 0), 'lora.alpha' (> 0), 'lora.dropout' ([0, 1)): got "
+            bad.append(f"config keys 'lora.r' (>= 0), 'lora.alpha' (> 0), 'lora.dropout' ([0, 1)): got "
                               f"{lc.r}, {lc.alpha}, {lc.dropout}")
         if lc.r and not lc.target_modules:
-            raise ConfigError("config key 'lora.target_modules' must name at least one module when lora.r > 0")
+            bad.append("config key 'lora.target_modules' must name at least one module when lora.r > 0")
         if lc.r and self.distributed.backend != "fsdp":
-            raise ConfigError("config key 'lora.r' > 0 needs distributed.backend=fsdp (DeepSpeed: not supported)")
+            bad.append("config key 'lora.r' > 0 needs distributed.backend=fsdp (DeepSpeed: not supported)")
         if lc.r and self.save_format == "sharded":
-            raise ConfigError("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
+            bad.append("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
                               "checkpoints hold the adapter (small); use full or auto")
+        return bad
 
     @property
     def clip_high(self) -> float:
@@ -284,7 +300,8 @@ _AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps",
 _ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")
 
 
-def _check_numbers(cfg) -> None:
+def _number_problems(cfg) -> list[str]:
+    bad = []
     def value(key):
         obj = cfg
         for part in key.split("."):
@@ -294,18 +311,19 @@ def _check_numbers(cfg) -> None:
     for key in _number_keys(cfg, ""):
         v = value(key)
         if isinstance(v, float) and math.isnan(v):
-            raise ConfigError(f"config key '{key}' is NaN")
+            bad.append(f"config key '{key}' is NaN")
     for key in _AT_LEAST_0:
         if value(key) < 0:
-            raise ConfigError(f"config key '{key}' must be >= 0, got {value(key)}")
+            bad.append(f"config key '{key}' must be >= 0, got {value(key)}")
     for key in _ABOVE_0:
         v = value(key)
         if v is not None and v <= 0:
-            raise ConfigError(f"config key '{key}' must be > 0" + (" (or null)" if key == "generation_batch_size"
+            bad.append(f"config key '{key}' must be > 0" + (" (or null)" if key == "generation_batch_size"
                                                                      else "") + f", got {v}")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= value(key) < 1:
-            raise ConfigError(f"config key '{key}' must be in [0, 1), got {value(key)}")
+            bad.append(f"config key '{key}' must be in [0, 1), got {value(key)}")
+    return bad
 
 
 def _number_keys(obj, prefix: str):
@@ -317,16 +335,18 @@ def _number_keys(obj, prefix: str):
             yield prefix + f.name
 
 
-def _check_choices(obj, prefix: str) -> None:
+def _check_choices(obj, prefix: str) -> list[str]:
+    bad = []
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if dataclasses.is_dataclass(v):
-            _check_choices(v, f"{prefix}{f.name}.")
+            bad += _check_choices(v, f"{prefix}{f.name}.")
             continue
         choices = f.metadata.get("choices")
         if choices and v is not None and v not in choices:
-            raise ConfigError(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
-                              f"{', '.join(map(str, choices))}")
+            bad.append(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
+                       f"{', '.join(map(str, choices))}")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------- building from dicts
@@ -388,15 +408,25 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _from_dict(cls, d: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
+    bad = []
+    for k in sorted(set(d) - names):
         import difflib
-        k = unknown[0]
         close = difflib.get_close_matches(k, sorted(names), n=1)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in d.items()}
-    return cls(**kwargs)
+        bad.append(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for k, v in d.items():
+        if k in names:
+            try:
+                kwargs[k] = _coerce(v, hints[k], prefix + k)
+            except ConfigError as e:  # go on with the default, to report the other keys' problems too
+                bad += e.problems
+    try:
+        obj = cls(**kwargs)
+    except ConfigError as e:
+        bad += e.problems
+    _raise_all(bad)
+    return obj
 
 
 def _parse_scalar(text: str) -> Any:
@@ -408,17 +438,23 @@ def _parse_scalar(text: str) -> Any:
 
 
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """Apply every well-formed override to `d`, then raise (if any was not) naming each malformed one."""
+    bad = []
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
+            bad.append(f"override {item!r} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
+            continue
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         node = d
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
+                bad.append(f"override {item!r}: '{p}' is not a section")
+                break
+        else:
+            node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
+    _raise_all(bad)
     return d
 
 
@@ -468,11 +504,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
-    d = apply_overrides(d, overrides or [])
+    bad = []
     try:
-        return _from_dict(GRPOConfig, d)
+        d = apply_overrides(d, overrides or [])
+    except ConfigError as e:  # the well-formed overrides are applied: check the rest of the config too
+        bad += e.problems
+    try:
+        cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
-        raise ConfigError(_blame(str(e), path, overrides or [])) from None
+        bad += e.problems
+    _raise_all([_blame(b, path, overrides or []) for b in bad])  # each names the command line or the file
+    return cfg
 
 
 def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
@@ -484,13 +526,35 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
             lines.append(f"\n[{prefix}{f.name}]")
             lines += describe(hints[f.name], f"{prefix}{f.name}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         ch = f.metadata.get("choices")
         extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
         lines.append(f"{prefix}{f.name} = {json.dumps(default)}  # {f.metadata.get('help', '')}{extra}")
     return lines
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo_dist.config`: every key with its default and help.
+    `python -m grpo_dist.config --check CONFIG [key=value ...]`: the resolved config as YAML (exit 0), or every
+    problem, one per line (exit 2). CONFIG may be `none` to check overrides on the defaults."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("\n".join(describe()))
+        return 0
+    if args[0] != "--check" or len(args) < 2:
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value ...]]", file=sys.stderr)
+        return 2
+    path = None if args[1] == "none" else args[1]
+    try:
+        cfg = load_config(path, args[2:])
+    except ConfigError as e:
+        print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(describe()))
-    sys.exit(0)
+    sys.exit(main())

@@ -31,9 +31,10 @@ import dataclasses
 import json
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from grpo_dist.config import DataConfig
 from grpo_dist.rewards.math import last_boxed  # one extractor for references and completions
@@ -549,7 +550,7 @@ class PromptSampler:
         self._epoch = 0
         self._step = 0
         self._perm_epoch: Optional[int] = None
-        self._perm = None
+        self._perm: Any = None  # numpy permutation of epoch _perm_epoch
 
     @property
     def epoch(self) -> int:

@@ -17,7 +17,7 @@ transformers forward. Tests check logits against the transformers forward for ev
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ def lean_decoder_unsupported(model, total_length: int) -> str | None:
         return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None or getattr(rotary, "rope_type", "default") not in STATIC_ROPE_TYPES:
         return f"rope type {getattr(rotary, 'rope_type', None)!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
@@ -189,9 +189,9 @@ class LeanDecoder:
         D, nqk = self.head_dim, self.n_heads + self.n_kv
         h = _rms_norm(x, w.input_norm, self.eps)
         if isinstance(w.qkv_w, list):
-            qkv = torch.cat([F.linear(h, wt, b) for wt, b in zip(w.qkv_w, w.qkv_b)], -1)
+            qkv = torch.cat([F.linear(h, wt, b) for wt, b in zip(w.qkv_w, w.qkv_b)], -1)  # type: ignore[arg-type]
         else:
-            qkv = F.linear(h, w.qkv_w, w.qkv_b)
+            qkv = F.linear(h, w.qkv_w, w.qkv_b)  # type: ignore[arg-type]
         qk = qkv[..., :nqk * D].unflatten(-1, (nqk, D))
         v = qkv[..., nqk * D:].unflatten(-1, (self.n_kv, D))
         if w.qk_norm is not None:
@@ -202,9 +202,9 @@ class LeanDecoder:
     def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(x, w.post_norm, self.eps)
         if isinstance(w.gate_up_w, list):
-            gate, up = (F.linear(h, wt, b) for wt, b in zip(w.gate_up_w, w.gate_up_b))
+            gate, up = (F.linear(h, wt, b) for wt, b in zip(w.gate_up_w, w.gate_up_b))  # type: ignore[arg-type]
         else:
-            gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+            gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)  # type: ignore[arg-type]
         return x + F.linear(F.silu(gate) * up, w.down_w, w.down_b)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

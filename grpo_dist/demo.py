@@ -169,7 +169,7 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1 - i / s.sft_steps))
     bar = _progress(s.sft_steps, "warm start")
     model.train()
-    for step in range(s.sft_steps):
+    for _ in range(s.sft_steps):
         ids, mask, labels = _sft_batch(tokenizer, train, rng, s)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -185,7 +185,7 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     acc_train = greedy_accuracy(model, tokenizer, train)
     acc_eval = greedy_accuracy(model, tokenizer, held_out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(out)
     elapsed = time.perf_counter() - t0
     meta_path.write_text(json.dumps({"key": s.key(), "settings": asdict(s), "parameters": n_params,

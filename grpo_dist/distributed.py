@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,7 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def all_reduce_sum(values: Sequence[float | torch.Tensor] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Element-wise sum over ranks of a float64 vector (one collective for many metrics)."""
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:

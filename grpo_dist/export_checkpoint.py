@@ -12,7 +12,6 @@ optimizer state is not exported.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import warnings

@@ -89,7 +89,8 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if self._bar is not None:
             self._bar.update(1)
-            post = dict(reward=f"{metrics.get('reward_mean', 0.0):.3f}", step_s=f"{metrics.get('step_time_s', 0.0):.2f}")
+            post = dict(reward=f"{metrics.get('reward_mean', 0.0):.3f}",
+                        step_s=f"{metrics.get('step_time_s', 0.0):.2f}")
             if self._last_eval is not None or "eval_accuracy" in metrics:
                 self._last_eval = metrics.get("eval_accuracy", self._last_eval)
                 post["eval_acc"] = f"{self._last_eval:.3f}"

@@ -19,7 +19,7 @@ from grpo_dist.config import ConfigError, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # distributed.mixed_precision -> the compute dtype (FSDP MixedPrecision, the generation replica)
-MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
@@ -78,6 +78,7 @@ def prepare_tokenizer(tok):
 # -------------------------------------------------------------------------------------------------------- models
 
 def _tiny_spec(cfg: ModelConfig) -> dict:
+    assert cfg.tiny is not None  # called only for a tiny model
     spec = dict(TINY_DEFAULTS)
     unknown = set(cfg.tiny) - set(spec)
     if unknown:

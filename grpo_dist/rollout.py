@@ -35,12 +35,12 @@ class RolloutBatch:
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                             self.completion_mask.to(device), self.num_generations, self.completions,
                             self.references)
 
-    def rows(self, index: list[int]) -> "RolloutBatch":
+    def rows(self, index: list[int]) -> RolloutBatch:
         """A sub-batch, trimmed to the columns its rows use (less padding in every forward pass)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         pm, cm = self.prompt_mask[idx], self.completion_mask[idx]
@@ -91,7 +91,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask; over-long prompts keep their end (the question sits at the end of a template)."""
     tokenizer.truncation_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,

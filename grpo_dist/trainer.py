@@ -15,8 +15,6 @@ run empty micro-batches), so no path can deadlock.
 from __future__ import annotations
 
 import copy
-import math
-import os
 import random
 import signal
 import time
@@ -344,7 +342,6 @@ class GRPOTrainer:
         timer = timer or Timer()
         batch = batch.to(dev)
         G = cfg.num_generations
-        n_groups = len(batch) // G
         raw_rewards = rewards
         with timer("logprobs"):
             rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
@@ -390,7 +387,7 @@ class GRPOTrainer:
                 nonfinite_local = False
                 for mb_index, idx in enumerate(micro):
                     if not idx:
-                        self._empty_backward(batch)
+                        self._empty_backward()
                         continue
                     mb = batch.rows(idx)
                     logits = completion_logits(self.engine.module, mb)
@@ -472,13 +469,14 @@ class GRPOTrainer:
         shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
         return shaped, float(seq_kl.sum())
 
-    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
-        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
-        out = []
+    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
+        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
+        micro-batch."""
+        out: list = []
         with torch.no_grad():
             for idx in micro:
                 if not idx:
-                    model(**self._empty_inputs(batch))  # keep the FSDP all-gathers in step with other ranks
+                    model(**self._empty_inputs())  # keep the FSDP all-gathers in step with other ranks
                     out.append(None)
                     continue
                 mb = batch.rows(idx)
@@ -487,14 +485,14 @@ class GRPOTrainer:
                                                self.cfg.temperature))
         return out
 
-    def _empty_inputs(self, batch: RolloutBatch) -> dict:
+    def _empty_inputs(self) -> dict:
         pad = self.tokenizer.pad_token_id
         ids = torch.full((1, 2), pad, dtype=torch.long, device=self.ctx.device)
         return dict(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1, use_cache=False)
 
-    def _empty_backward(self, batch: RolloutBatch) -> None:
+    def _empty_backward(self) -> None:
         """A rank with fewer micro-batches still runs forward + backward (zero loss) so FSDP's collectives match."""
-        out = self.engine.module(**self._empty_inputs(batch))
+        out = self.engine.module(**self._empty_inputs())
         self.engine.backward(out.logits.sum() * 0.0)
 
     def _track_nonfinite(self, all_applied: bool) -> None:
@@ -515,7 +513,7 @@ class GRPOTrainer:
             return ""
         return ", or train in full precision: distributed.mixed_precision=null"
 
-    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms, applied) -> dict:
+    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms) -> dict:
         dev = self.ctx.device
         lengths = batch.completion_lengths.double().cpu()
         tokens = float(lengths.sum())

@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
 import torch
 
 from grpo_dist.advantages import ADV_EPS, group_advantages, zero_advantage_groups
+
+pytestmark = pytest.mark.fast  # the `make fast` tier
 
 
 def test_worked_example():

@@ -6,9 +6,9 @@ On 2 gloo ranks: a checkpoint whose model.safetensors was corrupted without chan
 
 import pytest
 
-pytestmark = pytest.mark.slow  # 2-rank spawns: ~50 s each on a busy 2-core box
-
 from dist_utils import run_ranks
+
+pytestmark = pytest.mark.slow  # 2-rank spawns: ~50 s each on a busy 2-core box
 
 BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, intermediate_size: 64}",

@@ -6,6 +6,8 @@ import pytest
 
 from grpo_dist.config import ConfigError, GRPOConfig, load_config
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 
 def test_yaml_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"

@@ -11,6 +11,8 @@ from grpo_dist.config import load_config
 from grpo_dist.data import DataError, PromptExample, data_dir, load_examples, render_prompt, resolve_data_config
 from grpo_dist.rewards import resolve_reward_function
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 

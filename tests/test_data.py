@@ -11,6 +11,8 @@ from grpo_dist.config import DataConfig
 from grpo_dist.data import (DataError, PromptExample, PromptSampler, extract_reference, load_examples,
                             render_prompt, resolve_data_config, synthetic_arithmetic)
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 # The offline mirror of the preset data (.ci/run points it at ../shared/data); the tests that read it skip without it.
 SHARED = Path(os.environ.get("GRPO_DIST_DATA_DIR") or "/nonexistent-grpo-dist-data")
 needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "test.jsonl").is_file(),
@@ -102,7 +104,8 @@ MATH_TEST = [{"problem": "Find $x$ if  $2x = 4$.\n", "solution": "x = \\boxed{2}
 
 def test_presets_load_from_the_hub_without_a_mirror(monkeypatch):
     asked = _fake_hub(monkeypatch, {
-        ("openai/gsm8k", "main", "train"): [{"question": "Q1", "answer": "x\n#### 1,234"}, {"question": "Q2", "answer": "#### 5"}],
+        ("openai/gsm8k", "main", "train"): [{"question": "Q1", "answer": "x\n#### 1,234"},
+                                            {"question": "Q2", "answer": "#### 5"}],
         ("openai/gsm8k", "main", "test"): [{"question": "T1", "answer": "#### 7"}],
         ("HuggingFaceH4/MATH-500", None, "test"): MATH500,
         ("DigitalLearningGmbH/MATH-lighteval", "default", "test"): MATH_TEST})
@@ -149,7 +152,8 @@ def test_offline_cli_exits_2_naming_dataset_and_variable(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ file formats
 
-ROWS = [{"q": "What is 2+2?", "sol": "it is \\boxed{4}"}, {"q": "Half of 10?", "sol": "\\boxed{\\frac{10}{2}} = \\boxed{5}"},
+ROWS = [{"q": "What is 2+2?", "sol": "it is \\boxed{4}"},
+        {"q": "Half of 10?", "sol": "\\boxed{\\frac{10}{2}} = \\boxed{5}"},
         {"q": "Pi?", "sol": "\\boxed{\\{3, \\pi\\}}", "extra": 1}]
 EXPECTED = [("What is 2+2?", "4"), ("Half of 10?", "5"), ("Pi?", "\\{3, \\pi\\}")]
 

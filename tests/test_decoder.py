@@ -14,7 +14,8 @@ from grpo_dist.decoder import (LeanDecoder, fuse_projections, fused_projections,
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import HFDecoder, generate_rollouts, make_decoder
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.fast,  # the `make fast` tier
+              pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 def _model(arch="qwen2", dtype="float32", **tiny):

@@ -5,16 +5,8 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-
-G = 4
-PROMPTS = 4          # in total; each of 2 ranks takes 2
-VOCAB_LO, VOCAB_HI = 4, 100  # ordinary (non-special) token ids of the char tokenizer
-
-BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, intermediate_size: 64}",
-        f"num_generations={G}", "max_completion_length=10", "learning_rate=1e-3", "adam_epsilon=1e-6",
-        "reward_workers=0", "beta=0.04", "max_grad_norm=1.0", "progress_bar=false", "report_to=[]",
-        "temperature=0.9"]
+from helpers import EQUIV_BASE as BASE
+from helpers import G, PROMPTS, fixed_rollout
 
 VARIANTS = {
     "token_mean": ["loss_type=token_mean"],
@@ -31,31 +23,6 @@ EXTRA_2RANK = {
     "per_layer_units": (["distributed.fsdp_wrap=layer"], 1e-5),
     "bf16_mixed_precision": (["distributed.mixed_precision=bf16"], None),  # compared by update direction
 }
-
-
-def fixed_rollout(pad_id=0, eos_id=1):
-    """A deterministic batch with uneven prompt and completion lengths, some ending in EOS, some truncated."""
-    from grpo_dist.rollout import RolloutBatch
-    g = torch.Generator().manual_seed(123)
-    n, P, C = PROMPTS * G, 7, 10
-    prompt_ids = torch.full((n, P), pad_id)
-    prompt_mask = torch.zeros(n, P, dtype=torch.long)
-    completion_ids = torch.full((n, C), pad_id)
-    completion_mask = torch.zeros(n, C, dtype=torch.long)
-    for p in range(PROMPTS):
-        plen = int(torch.randint(2, P + 1, (1,), generator=g))
-        prompt = torch.randint(VOCAB_LO, VOCAB_HI, (plen,), generator=g)
-        for j in range(G):
-            i = p * G + j
-            prompt_ids[i, P - plen:] = prompt
-            prompt_mask[i, P - plen:] = 1
-            clen = int(torch.randint(1, C + 1, (1,), generator=g))
-            completion_ids[i, :clen] = torch.randint(VOCAB_LO, VOCAB_HI, (clen,), generator=g)
-            if clen < C or j % 2:  # most end with EOS (included in the mask); some are truncated
-                completion_ids[i, clen - 1] = eos_id
-            completion_mask[i, :clen] = 1
-    rewards = torch.tensor([1., 0, 1, 0,   1, 1, 1, 1,   0, 0, 1, 0,   0.5, 1, 0, 0.25])  # group 2 is flat
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, G), rewards
 
 
 def _step_variants(rank, world_size, micro_batch_size, names):

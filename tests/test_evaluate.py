@@ -16,6 +16,8 @@ import torch
 
 from grpo_dist.evaluate import k_values, pass_at_k
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,6 +42,7 @@ def test_pass_at_k_edges():
     assert k_values(8) == [1, 2, 4, 8] and k_values(6) == [1, 2, 4, 6] and k_values(1) == [1]
 
 
+@pytest.mark.slow  # torchrun with 2 ranks, then 1 process: ~20 s
 def test_cli_two_ranks_match_one_process(tmp_path):
     """torchrun x2 runs `python -m grpo_dist.evaluate` on an odd number of problems; its greedy accuracy and count
     must equal one in-process evaluation of the same model (ranks take every other problem and sum)."""

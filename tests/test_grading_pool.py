@@ -11,6 +11,8 @@ import pytest
 
 from grpo_dist.rewards import RewardComputer, math_reward, resolve_reward_function
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH = {"function": "grpo_dist.rewards:math_reward", "weight": 1.0}
 
@@ -163,9 +165,8 @@ def test_worker_crash_is_retried_then_scored_zero(helpers):
 
 
 def test_length_mismatch_raises():
-    with RewardComputer([MATH], num_workers=0) as rc:
-        with pytest.raises(ValueError):
-            rc(["a"], ["b", "c"])
+    with RewardComputer([MATH], num_workers=0) as rc, pytest.raises(ValueError):
+        rc(["a"], ["b", "c"])
 
 
 def _run_script(tmp_path, body, *args, module=False, timeout=120):

@@ -17,8 +17,8 @@ Without signal the accuracy never rose, so the control bounds upward drift at 0.
 even if the 80 held-out problems were an independent binomial draw at p = 0.425 after training, the standard
 deviation of the measured accuracy would be sqrt(0.425 * 0.575 / 80) = 0.055. MARGIN = 0.15 is 2.7 such standard
 deviations (p < 0.004 one-sided) and 0.075 below the smallest real gain measured (0.225), so the test fails when
-learning is broken and does not flake when it works. Runtime: 35-200 s per run on the shared 2-core box (depending on its load), plus ~95 s
-the first time to build the base model (cached in .cache/ after that).
+learning is broken and does not flake when it works. Runtime: 35-200 s per run on the shared 2-core box (depending
+on its load), plus ~95 s the first time to build the base model (cached in .cache/ after that).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ a one-rank checkpoint resumes on two FSDP ranks with the same weights and optimi
 import contextlib
 import copy
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -13,11 +14,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from grpo_dist.engines.fsdp import clean_name
 
 from dist_utils import run_ranks
-from test_resume import _tensors_equal, _trainer
+from helpers import resume_trainer, tensors_equal
 
 
 def _engine_kind(rank, world, extra):
-    tr = _trainer(["output_dir=/tmp/unused_local_engine", "save_final=false"] + extra)
+    tr = resume_trainer(["output_dir=/tmp/unused_local_engine", "save_final=false"] + extra)
     with torch.no_grad():  # make the policy differ from the replica's initial copy
         for p in tr.engine.module.parameters():
             p.add_(0.01)
@@ -44,12 +45,12 @@ def test_engine_choice_and_the_generation_replica_dtype(tmp_path):
 
 
 def _one_rank_run(rank, world, out):
-    tr = _trainer([f"output_dir={out}", "prompts_per_rank=4", "max_steps=1", "save_steps=1"])
+    tr = resume_trainer([f"output_dir={out}", "prompts_per_rank=4", "max_steps=1", "save_steps=1"])
     assert tr.train() == 0
 
 
 def _two_rank_resume(rank, world, ckpt, out):
-    tr = _trainer([f"output_dir={out}", f"resume_from_checkpoint={ckpt}", "max_steps=2"])
+    tr = resume_trainer([f"output_dir={out}", f"resume_from_checkpoint={ckpt}", "max_steps=2"])
     state = copy.deepcopy(tr.engine.gather_full_state())
     assert tr.train() == 0 and tr.step == 2
     return state
@@ -59,16 +60,16 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(tmp_path):
     run_ranks(_one_rank_run, 1, tmp_path, str(tmp_path / "one"))
     ckpt = tmp_path / "one" / "checkpoint-1"
     (model_sd, optim_sd), _ = run_ranks(_two_rank_resume, 2, tmp_path, str(ckpt), str(tmp_path / "two"))
-    _tensors_equal(model_sd, load_file(str(ckpt / "model.safetensors")), "model")
+    tensors_equal(model_sd, load_file(str(ckpt / "model.safetensors")), "model")
     saved_optim = torch.load(ckpt / "optimizer.pt", weights_only=False)
     assert saved_optim["state"], "the one-rank run saved no optimizer state"
-    _tensors_equal(optim_sd, saved_optim, "optimizer")
+    tensors_equal(optim_sd, saved_optim, "optimizer")
     assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------- FSDP unit choice
 def _fsdp_units(rank, world, extra):
-    tr = _trainer(["output_dir=/tmp/unused_fsdp_units", "save_final=false"] + extra)
+    tr = resume_trainer(["output_dir=/tmp/unused_fsdp_units", "save_final=false"] + extra)
     layers = tr.gen_model.config.num_hidden_layers
     return len(FSDP.fsdp_modules(tr.engine.module)), len(FSDP.fsdp_modules(tr.ref_model)), layers
 
@@ -80,6 +81,7 @@ def test_fsdp_wrap_auto_makes_a_small_model_one_unit_and_layer_one_per_decoder_l
     assert (units, ref_units) == (1 + layers, 1 + layers)
 
 
+@pytest.mark.fast
 def test_fsdp_wrap_auto_threshold_counts_parameters_also_on_meta_models():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -99,7 +101,7 @@ def test_fsdp_wrap_auto_threshold_counts_parameters_also_on_meta_models():
 
 def _save_sharded_per_layer(rank, world, out):
     from grpo_dist import checkpoint as ckpt
-    tr = _trainer([f"output_dir={out}", "distributed.fsdp_wrap=layer", "max_steps=1", "save_final=false"])
+    tr = resume_trainer([f"output_dir={out}", "distributed.fsdp_wrap=layer", "max_steps=1", "save_final=false"])
     assert tr.train() == 0
     ckpt.save_checkpoint(out, tr.step, tr.engine, tr.gen_model, tr.tokenizer, tr.trainer_state(), tr.ctx,
                          save_format="sharded")
@@ -107,7 +109,7 @@ def _save_sharded_per_layer(rank, world, out):
 
 
 def _resume_as_one_unit(rank, world, ckpt_dir, out):
-    tr = _trainer([f"output_dir={out}", f"resume_from_checkpoint={ckpt_dir}", "max_steps=2"])
+    tr = resume_trainer([f"output_dir={out}", f"resume_from_checkpoint={ckpt_dir}", "max_steps=2"])
     assert len(FSDP.fsdp_modules(tr.engine.module)) == 1
     state = copy.deepcopy(tr.engine.gather_full_state())
     assert tr.train() == 0 and tr.step == 2
@@ -120,5 +122,5 @@ def test_sharded_checkpoint_of_per_layer_units_resumes_with_one_unit(tmp_path):
     (model_sd, optim_sd), _ = run_ranks(_resume_as_one_unit, 2, tmp_path, str(tmp_path / "a" / "checkpoint-1"),
                                         str(tmp_path / "b"))
     assert saved_optim["state"]
-    _tensors_equal(model_sd, saved_model, "model")
-    _tensors_equal(optim_sd, saved_optim, "optimizer")
+    tensors_equal(model_sd, saved_model, "model")
+    tensors_equal(optim_sd, saved_optim, "optimizer")

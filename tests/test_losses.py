@@ -8,6 +8,8 @@ import torch
 
 from grpo_dist.losses import grpo_loss, k3_kl, selective_log_probs, token_entropy
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 
 def test_selective_log_probs_equal_log_softmax_values_and_grads():
     torch.manual_seed(0)

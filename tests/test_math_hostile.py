@@ -7,6 +7,8 @@ import pytest
 
 from grpo_dist.rewards import RewardComputer, math_reward
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTILE_PATH = os.path.join(HERE, "data", "math_hostile.jsonl")
 TIME_LIMIT_S = 1.0

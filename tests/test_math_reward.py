@@ -10,6 +10,8 @@ import pytest
 from grpo_dist.rewards import extract_answer, math_reward
 from grpo_dist.rewards.math import DECIMAL_REL_TOL, is_equivalent
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES_PATH = os.path.join(HERE, "data", "math_cases.jsonl")
 

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from grpo_dist.metrics import MetricsLogger
+
+pytestmark = pytest.mark.fast  # the `make fast` tier
 
 
 def test_resumed_logger_drops_steps_after_the_checkpoint(tmp_path):

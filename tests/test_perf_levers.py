@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from grpo_dist.config import ModelConfig
-from grpo_dist.losses import selective_log_probs
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import (_filter_scores, completion_logits, generate_rollouts, sample_from_scores,
                                sequence_inputs)
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.fast,  # the `make fast` tier
+              pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 TINY = ModelConfig(tiny=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -142,6 +142,7 @@ def _rank0_load(rank, world_size, model_dir):
     return out
 
 
+@pytest.mark.slow  # 2 spawned ranks: ~30 s
 def test_pretrained_weights_read_by_rank0_reach_every_rank_exactly(tmp_path):
     from dist_utils import run_ranks
     tied = ModelConfig(tiny=dict(TINY.tiny, tie_word_embeddings=True))  # like Qwen2.5-0.5B: lm_head = embeddings

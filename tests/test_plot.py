@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the `make fast` tier
+
 pytest.importorskip("matplotlib")
 
 from grpo_dist.plot import PANELS, ema, plot, read_metrics  # noqa: E402

@@ -11,30 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 from dist_utils import run_ranks
+from helpers import resume_trainer, tensors_equal
 
-# 8 prompts, 2 ranks x 2 prompts per step: 2 steps per epoch, so checkpoint-2 sits exactly on an epoch boundary.
-BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, intermediate_size: 64}",
-        "data.limit=8", "prompts_per_rank=2", "num_generations=4", "max_completion_length=8", "temperature=1.0",
-        "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "reward_workers=0",
-        "learning_rate=1e-3", "weight_decay=0.0", "warmup_steps=2", "lr_scheduler_type=cosine", "beta=0.04",
-        "num_iterations=2", "micro_batch_size=4", "max_steps=4", "save_format=full", "progress_bar=false",
-        "report_to=[jsonl]", "distributed.timeout_s=60"]
 STEPS = 4
-
-
-def _trainer(overrides):
-    from grpo_dist.config import load_config
-    from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer
-    cfg = load_config(None, BASE + overrides)
-    return GRPOTrainer(cfg, init_distributed(cfg.distributed.timeout_s))
 
 
 def _straight(rank, world, out, out_sharded):
     """4 steps, a full checkpoint after each; after step 2 also a sharded one (into another directory)."""
     from grpo_dist import checkpoint as ckpt
-    tr = _trainer([f"output_dir={out}"])
+    tr = resume_trainer([f"output_dir={out}"])
     for _ in range(STEPS):
         tr.train_step()
         tr.save()
@@ -46,7 +31,7 @@ def _straight(rank, world, out, out_sharded):
 def _resumed(rank, world, runs):
     """For each (checkpoint, output_dir): a fresh trainer resumes from it and trains to step 4 (the real loop)."""
     for path, out in runs:
-        tr = _trainer([f"output_dir={out}", f"resume_from_checkpoint={path}"])
+        tr = resume_trainer([f"output_dir={out}", f"resume_from_checkpoint={path}"])
         assert tr.step == int(path.rsplit("-", 1)[1])
         assert tr.train() == 0
 
@@ -56,33 +41,16 @@ def _one_rank(rank, world, full_ckpt, sharded_ckpt, out):
     and the sharded checkpoint both load the same state, and training goes on."""
     from grpo_dist.data import DataError
     with pytest.raises(DataError) as err:
-        _trainer([f"output_dir={out}/a", f"resume_from_checkpoint={full_ckpt}"])
+        resume_trainer([f"output_dir={out}/a", f"resume_from_checkpoint={full_ckpt}"])
     states = []
     for i, path in enumerate([full_ckpt, sharded_ckpt]):
         # max_steps as in the checkpoint: a changed max_steps changes the LR schedule, which a resume now applies
-        tr = _trainer([f"output_dir={out}/{i}", f"resume_from_checkpoint={path}", "prompts_per_rank=4"])
+        tr = resume_trainer([f"output_dir={out}/{i}", f"resume_from_checkpoint={path}", "prompts_per_rank=4"])
         model_sd, optim_sd = tr.engine.gather_full_state()
         # deepcopy: the gathered optimizer state shares its `step` tensors with the live optimizer
         states.append(copy.deepcopy((model_sd, optim_sd, tr.sampler.state_dict())))
         assert tr.train() == 0 and tr.step == STEPS
     return str(err.value), states
-
-
-def _tensors_equal(a, b, where=""):
-    """Recursive bitwise equality of nested dicts/lists of tensors and plain values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: max diff {(a.double() - b.double()).abs().max().item()}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys differ"
-        for k in a:
-            _tensors_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _tensors_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _state(ckpt):
@@ -118,7 +86,7 @@ def test_resume_is_bitwise_exact_mid_epoch_at_epoch_boundary_and_from_sharded(st
     want = _state(a / f"checkpoint-{STEPS}")
     for _, out in runs:
         got = _state(tmp_path / out / f"checkpoint-{STEPS}")
-        _tensors_equal(got, want, out)
+        tensors_equal(got, want, out)
         metrics = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         assert metrics[-1]["step"] == STEPS
 
@@ -129,8 +97,8 @@ def test_other_world_size_needs_same_global_batch_and_maps_full_and_sharded_stat
     assert "global batch" in message and "prompts_per_rank=4" in message and str(full) in message
     want_model, want_optim, _ = _state(full)
     for model_sd, optim_sd, sampler in states:
-        _tensors_equal(model_sd, want_model, "model")
-        _tensors_equal(optim_sd, want_optim, "optimizer")
+        tensors_equal(model_sd, want_model, "model")
+        tensors_equal(optim_sd, want_optim, "optimizer")
         assert (sampler["epoch"], sampler["step_in_epoch"], sampler["world_size"]) == (1, 0, 1)
 
 
@@ -147,8 +115,8 @@ def test_sharded_export_loads_with_from_pretrained_like_full_state(straight, tmp
     assert (tmp_path / "many" / "model.safetensors.index.json").is_file()
     for name in ("one", "many"):
         got = AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
-        _tensors_equal(got, want, name)
+        tensors_equal(got, want, name)
     assert export_main([str(sharded), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).state_dict()
-    _tensors_equal(bf16, {k: v.to(torch.bfloat16) for k, v in want.items()}, "bf16")
+    tensors_equal(bf16, {k: v.to(torch.bfloat16) for k, v in want.items()}, "bf16")
     assert export_main([str(full), str(tmp_path / "x")]) == 2  # a full-state checkpoint needs no export

@@ -1,11 +1,14 @@
 """Rollout masks, left padding and the scoring forward pass."""
 
+import pytest
 import torch
 
 from grpo_dist.config import ModelConfig
 from grpo_dist.losses import selective_log_probs
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import completion_logits, completion_mask_from_ids, generate_rollouts
+
+pytestmark = pytest.mark.fast  # the `make fast` tier
 
 TINY = ModelConfig(tiny=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=64))
@@ -66,6 +69,7 @@ def test_texts_and_groups():
     assert batch.references == ["2", "2", "2", "4", "4", "4"]
     assert len(batch.completions) == 6
     # rows of one group share the prompt
-    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2]) and torch.equal(batch.prompt_ids[3], batch.prompt_ids[5])
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2])
+    assert torch.equal(batch.prompt_ids[3], batch.prompt_ids[5])
     for text, ids, m in zip(batch.completions, batch.completion_ids, batch.completion_mask):
         assert text == tok.decode(ids[m.bool()], skip_special_tokens=True)

@@ -31,6 +31,7 @@ import logging
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,8 @@ class _HoldableAdamW(torch.optim.AdamW):
 
 
 class DeepSpeedEngine(Engine):
+    module: Any  # a deepspeed.DeepSpeedEngine (deepspeed has no type hints)
+
     def __init__(self, cfg, model: torch.nn.Module, ctx):
         if getattr(cfg, "save_format", "full") == "sharded":
             raise ConfigError("save_format=sharded (a DCP directory) is FSDP's; with distributed.backend=deepspeed use "

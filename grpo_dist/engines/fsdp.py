@@ -112,7 +112,7 @@ class FSDPEngine(Engine):
             sync_module_states=on_cuda,
             # meta parameters get storage unit by unit as FSDP wraps, and are sharded at once: a non-zero rank
             # never holds more than one unsharded unit of a meta-built model (a decoder layer, or a < 100M model)
-            param_init_fn=(lambda m: materialize_meta(m, device)) if rank0_load and on_cuda else None,
+            param_init_fn=(lambda m: materialize_meta(m, device)) if rank0_load and on_cuda else None,  # type: ignore[arg-type]
         )
         return wrapped
 
@@ -153,7 +153,7 @@ class FSDPEngine(Engine):
         return StepResult(grad_norm=grad_norm, applied=applied)
 
     def _clip_grad_norm(self, max_norm: float) -> float:
-        return float(self.module.clip_grad_norm_(max_norm))  # global norm over all shards: same on all ranks
+        return float(self.module.clip_grad_norm_(max_norm))  # type: ignore[operator]  # global norm over all shards: same on all ranks
 
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -38,7 +38,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["resolve_reward_function", "RewardComputer"]
 

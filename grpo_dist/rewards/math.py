@@ -458,8 +458,8 @@ def normalize_unicode(s: str) -> str:
         return s
     s = _ZERO_WIDTH_RE.sub("", s)
     s = _SUP_RE.sub(lambda m: "^{" + m.group(0).translate(_SUP_MAP) + "}", s)
-    s = _VULGAR_RE.sub(lambda m: "\\frac{%s}{%s}" % tuple(
-        unicodedata.normalize("NFKC", m.group(0)).split("\u2044")), s)
+    s = _VULGAR_RE.sub(lambda m: "\\frac{{{}}}{{{}}}".format(
+        *unicodedata.normalize("NFKC", m.group(0)).split("\u2044")), s)
     for a, b in _UNICODE:
         if a in s:
             s = s.replace(a, b)
@@ -725,9 +725,9 @@ def _ratio_const(d1, d2, positive: bool = False) -> bool:
         elif not _close(r, ratio, POINT_REL_TOL):
             return False
         good += 1
-    if positive and ratio is not None:
-        if abs(mpmath.im(ratio)) > abs(ratio) * POINT_REL_TOL or mpmath.re(ratio) <= 0:
-            return False
+    if positive and ratio is not None and (abs(mpmath.im(ratio)) > abs(ratio) * POINT_REL_TOL
+                                           or mpmath.re(ratio) <= 0):
+        return False
     return good >= 2
 
 

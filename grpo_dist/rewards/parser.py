@@ -285,7 +285,7 @@ def _magnitude_log2(v) -> float:
     try:
         f = mp_eval(v)
     except (EvalError, ZeroDivisionError, ValueError, TypeError):
-        raise ParseError("cannot size number")
+        raise ParseError("cannot size number") from None
     a = abs(f)
     if a == 0:
         return 0.0
@@ -303,7 +303,7 @@ def guarded_pow(b, e):
             try:
                 fe = float(abs(mp_eval(e)))
             except (EvalError, ZeroDivisionError, ValueError, TypeError):
-                raise ParseError("cannot size exponent")
+                raise ParseError("cannot size exponent") from None
         if not math.isfinite(fe):
             raise ParseError("infinite exponent")
         if b.free_symbols:
@@ -795,7 +795,7 @@ class _Parser:
             try:
                 x = abs(mp_eval(arg))
             except (EvalError, ZeroDivisionError, ValueError, TypeError):
-                raise ParseError("cannot size argument")
+                raise ParseError("cannot size argument") from None
             if x > (MAX_EXP_ARG if name in ("exp", "sinh", "cosh") else MAX_TRIG_ARG):
                 raise ParseError("function argument too large")
         if power is not None and power == -1 and name in _INVERSE:
@@ -987,5 +987,5 @@ def _mp_eval(e, env, depth):
         try:
             return _mp_check(_mp_unary(f, x))
         except ZeroDivisionError:
-            raise EvalError("pole")
+            raise EvalError("pole") from None
     raise EvalError(f"unsupported {e.func}")

@@ -1,0 +1,80 @@
+"""Helpers shared by several test modules (test modules import from here, never from each other)."""
+
+import torch
+
+# ------------------------------------------------------------------ the fixed one-step batch (2 ranks vs 1 process)
+
+G = 4
+PROMPTS = 4          # in total; each of 2 ranks takes 2
+VOCAB_LO, VOCAB_HI = 4, 100  # ordinary (non-special) token ids of the char tokenizer
+
+EQUIV_BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+              "num_key_value_heads: 2, intermediate_size: 64}",
+              f"num_generations={G}", "max_completion_length=10", "learning_rate=1e-3", "adam_epsilon=1e-6",
+              "reward_workers=0", "beta=0.04", "max_grad_norm=1.0", "progress_bar=false", "report_to=[]",
+              "temperature=0.9"]
+
+
+def fixed_rollout(pad_id=0, eos_id=1):
+    """A deterministic batch with uneven prompt and completion lengths, some ending in EOS, some truncated."""
+    from grpo_dist.rollout import RolloutBatch
+    g = torch.Generator().manual_seed(123)
+    n, P, C = PROMPTS * G, 7, 10
+    prompt_ids = torch.full((n, P), pad_id)
+    prompt_mask = torch.zeros(n, P, dtype=torch.long)
+    completion_ids = torch.full((n, C), pad_id)
+    completion_mask = torch.zeros(n, C, dtype=torch.long)
+    for p in range(PROMPTS):
+        plen = int(torch.randint(2, P + 1, (1,), generator=g))
+        prompt = torch.randint(VOCAB_LO, VOCAB_HI, (plen,), generator=g)
+        for j in range(G):
+            i = p * G + j
+            prompt_ids[i, P - plen:] = prompt
+            prompt_mask[i, P - plen:] = 1
+            clen = int(torch.randint(1, C + 1, (1,), generator=g))
+            completion_ids[i, :clen] = torch.randint(VOCAB_LO, VOCAB_HI, (clen,), generator=g)
+            if clen < C or j % 2:  # most end with EOS (included in the mask); some are truncated
+                completion_ids[i, clen - 1] = eos_id
+            completion_mask[i, :clen] = 1
+    rewards = torch.tensor([1., 0, 1, 0,   1, 1, 1, 1,   0, 0, 1, 0,   0.5, 1, 0, 0.25])  # group 2 is flat
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, G), rewards
+
+
+# ------------------------------------------------------------------------- the tiny trainer of the resume tests
+
+# 8 prompts, 2 ranks x 2 prompts per step: 2 steps per epoch, so checkpoint-2 sits exactly on an epoch boundary.
+RESUME_BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+               "num_key_value_heads: 2, intermediate_size: 64}",
+               "data.limit=8", "prompts_per_rank=2", "num_generations=4", "max_completion_length=8",
+               "temperature=1.0", "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "reward_workers=0",
+               "learning_rate=1e-3", "weight_decay=0.0", "warmup_steps=2", "lr_scheduler_type=cosine", "beta=0.04",
+               "num_iterations=2", "micro_batch_size=4", "max_steps=4", "save_format=full", "progress_bar=false",
+               "report_to=[jsonl]", "distributed.timeout_s=60"]
+
+
+def resume_trainer(overrides):
+    """A GRPOTrainer on RESUME_BASE + overrides, in an initialised process group (one per rank under run_ranks)."""
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    cfg = load_config(None, RESUME_BASE + overrides)
+    return GRPOTrainer(cfg, init_distributed(cfg.distributed.timeout_s))
+
+
+# ----------------------------------------------------------------------------------------------------- asserts
+
+def tensors_equal(a, b, where=""):
+    """Recursive bitwise equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: max diff {(a.double() - b.double()).abs().max().item()}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys differ"
+        for k in a:
+            tensors_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            tensors_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

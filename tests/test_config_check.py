@@ -1,0 +1,78 @@
+"""Every config problem at once: ConfigError.problems and `python -m grpo_dist.config --check CONFIG [key=value]`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_dist.config import ConfigError, load_config, main
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[1]
+# One problem of each kind: a malformed override, an unknown key (top level and in a section), a value of the
+# wrong type, a value outside its choices, and cross-key checks of GRPOConfig.validate.
+BAD = ["beta", "betta=0.1", "model.dtyp=float32", "max_steps=ten", "loss_type=mean", "num_generations=1",
+       "top_p=0", "rewards=[{function: nocolon}]"]
+NEEDLES = ["override 'beta' must look like key=value", "unknown config key 'betta' (did you mean 'beta'?)",
+           "unknown config key 'model.dtyp'", "config key 'max_steps' must be an integer",
+           "config key 'loss_type' = 'mean' is not allowed", "config key 'num_generations' must be >= 2",
+           "config key 'top_p' must be in (0, 1]", "config key 'rewards[0].function' must be 'module:function'"]
+
+
+def test_load_config_collects_every_problem_and_the_message_counts_them():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BAD)
+    assert len(e.value.problems) == len(NEEDLES)
+    for needle, problem in zip(NEEDLES, e.value.problems):
+        assert needle in problem
+    assert str(e.value) == f"{e.value.problems[0]} (and {len(NEEDLES) - 1} more problems)"
+
+
+def test_one_problem_keeps_the_one_line_message(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("temperature: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}: config key 'temperature' must be > 0" and len(e.value.problems) == 1
+
+
+def test_check_prints_the_resolved_config(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("beta: 0.1\nmodel:\n  dtype: bfloat16\n")
+    assert main(["--check", str(f), "num_generations=4", "data.limit=3"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == load_config(f, ["num_generations=4", "data.limit=3"]).to_dict()
+    assert printed["beta"] == 0.1 and printed["model"]["dtype"] == "bfloat16" and printed["num_generations"] == 4
+
+
+def test_check_lists_every_problem_of_file_and_overrides_and_exits_2(tmp_path, capsys):
+    f = tmp_path / "bad.yaml"
+    f.write_text("temperature: 0\ndistributed:\n  sharding_strategy: ALL\n")
+    assert main(["--check", str(f), *BAD]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and lines[0] == f"{f}: {len(NEEDLES) + 2} problem(s)"
+    for needle in NEEDLES + ["config key 'temperature' must be > 0", "config key 'distributed.sharding_strategy'"]:
+        assert sum(needle in line for line in lines[1:]) == 1, needle
+
+
+def test_check_without_a_config_is_a_usage_error_and_no_arguments_list_the_keys(capsys):
+    assert main(["--check"]) == 2
+    assert "usage: python -m grpo_dist.config" in capsys.readouterr().err
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "num_generations = 8  # completions per prompt" in out and "[model]" in out
+
+
+def test_module_entry_point(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = [sys.executable, "-m", "grpo_dist.config", "--check", "none"]
+    ok = subprocess.run(run + ["beta=0"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert ok.returncode == 0 and yaml.safe_load(ok.stdout)["beta"] == 0.0, ok.stderr
+    bad = subprocess.run(run + ["betta=0", "top_p=2"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert bad.returncode == 2 and "config: 2 problem(s)" in bad.stderr and "top_p" in bad.stderr
