@@ -120,7 +120,8 @@ def data_dir() -> Optional[Path]:
     return p
 
 
-def _preset_source(rel: str, preset: str) -> str:
+def _preset_source(rel: str | None, preset: str | None) -> str:
+    assert rel is not None, preset  # only the built-in arithmetic preset has no file, and it never gets here
     """The mirror's file for `rel` when $GRPO_DIST_DATA_DIR is set, else an hf:NAME:CONFIG:SPLIT spec."""
     root = data_dir()
     if root is None:
@@ -218,6 +219,7 @@ def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: s
         if not p.is_file():
             raise DataError(f"data file not found: {path}" + (" (it is a directory)" if p.is_dir() else ""))
         suffix = p.suffix.lower()
+        rows: Iterator[tuple[Any, Any]]
         if suffix == ".jsonl":
             rows = _iter_jsonl(p)
         elif suffix == ".json":

@@ -56,7 +56,7 @@ def init_distributed(timeout_s: int = 600, num_threads: int | None = None) -> Di
         timeout = datetime.timedelta(seconds=timeout_s)
         # device_id binds the NCCL communicator to this rank's GPU at once (no guess from the current device, no
         # lazy init at the first collective, which some torch versions warn may hang); gloo takes none.
-        extra = {"device_id": device} if backend == "nccl" else {}
+        extra: dict = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 store=_elastic_attempt_store(world, timeout), **extra)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)

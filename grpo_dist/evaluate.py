@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         run_cfg, source = (None, None) if args.config else run_config(args.model, model_dir)
-        if source:
+        if source and run_cfg is not None:
             print(f"grpo_dist.evaluate: using the training run's config from {source} (--config to override)",
                   file=sys.stderr)
             run_cfg = {k: v for k, v in run_cfg.items() if k not in _RUN_ONLY_KEYS}

@@ -126,7 +126,7 @@ class _SelectiveLogProbEntropy(torch.autograd.Function):
         entropy = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         out = _chunked_log_probs(logits, labels, chunk_size, temperature, entropy)
         ctx.save_for_backward(logits, labels, entropy)
-        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1])
+        ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1], logits.device)
         ctx.temperature, ctx.overwrite = temperature, overwrite_logits
         return out, entropy
 
@@ -147,7 +147,7 @@ class _SelectiveLogProbEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def selective_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+def selective_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None,
                                     temperature: float = 1.0, overwrite_logits: bool = False):
     """As selective_log_probs, plus the entropy of softmax(logits / temperature) per position, both with gradient
     (for the entropy bonus). Returns (logp, entropy), fp32, of the shape of labels."""
@@ -160,11 +160,11 @@ def selective_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, 
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of the next-token distribution per position, fp32, chunked (a monitoring signal, no grad)."""
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    chunk_size = _rows_per_chunk(chunk_size, flat.shape[-1])
+    chunk_size = _rows_per_chunk(chunk_size, flat.shape[-1], flat.device)
     for s in range(0, flat.shape[0], chunk_size):
         lp = torch.log_softmax(flat[s:s + chunk_size].float(), dim=-1)
         out[s:s + chunk_size] = -(lp.exp() * lp).sum(-1)

@@ -140,7 +140,7 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 @contextmanager
-def _named_source(key: str, value: str):
+def _named_source(key: str, value: str | None):
     """transformers' OSError for a missing repo / no connection / missing files, as one line naming the key."""
     try:
         yield

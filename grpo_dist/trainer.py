@@ -107,7 +107,7 @@ class GRPOTrainer:
                               f"{cfg.distributed.backend}; use full or auto")
         # LoRA checkpoints hold the adapter (+ optimizer) only: always the full (gathered) format
         self.save_format = "full" if cfg.lora.r else ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
-        self.ref_model = None
+        self.ref_model: torch.nn.Module | lora.Reference | None = None
         if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
             self.ref_model = lora.Reference(self.engine.module)
         elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
@@ -273,12 +273,13 @@ class GRPOTrainer:
         """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes). The prompt
         is decoded from the batch: the text the model was given (after any truncation), whichever round of dynamic
         sampling the row came from."""
-        if not self.completion_log.enabled:
+        if not self.completion_log.enabled or self.last_advantages is None:
             return
         n = min(self.cfg.log_completions, len(batch))
         prompts = [self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()]) for i in range(n)]
         self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
                                   self.last_advantages.tolist(), batch.completion_lengths.tolist())
+
     def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
         """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
         with timer("rollout"):
@@ -423,7 +424,7 @@ class GRPOTrainer:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
         correct = raw_rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms, applied)
+        return self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms)
 
     # ------------------------------------------------------------------------------------ algorithm options
     def _kl_in_loss(self) -> bool:
@@ -556,7 +557,7 @@ class GRPOTrainer:
         from grpo_dist.evaluate import evaluate_accuracy
         self.engine.copy_weights_to(self.gen_model)
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
-        sample = []  # rank 0's first evaluation completion, shown on the console
+        sample: list = []  # rank 0's first evaluation completion, shown on the console
         acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
                                 sample_out=sample if self.ctx.is_main else None)
         if sample:

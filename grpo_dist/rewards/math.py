@@ -398,7 +398,7 @@ def _bare_answer(text: str):
 
 
 def _dedupe_answers(parts: list) -> list:
-    out = []
+    out: list = []
     for a in parts:
         if not a:
             continue
