@@ -363,7 +363,7 @@ def _write_error(e: OSError, rank: int) -> str:
 
 def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> None:
     """Barrier that also shares write errors: every rank raises the first one (rank 0 removes the partial copy)."""
-    errors = gdist.gather_object(error)
+    errors = gdist.gather_object(error) or []  # rank 0 gets the list; the others None
     first = gdist.broadcast_object(next((e for e in errors if e), None) if ctx.is_main else None)
     if first is None:
         return
@@ -417,7 +417,7 @@ def load_checkpoint(path: Path, engine, ctx, hf_model=None) -> dict:
         if adapter.is_file():  # LoRA: the base weights as built at start, the adapter from the checkpoint
             model_sd, _ = engine.gather_full_state()
         if ctx.is_main:
-            if adapter.is_file():
+            if model_sd is not None:  # LoRA (adapter file present)
                 from grpo_dist.lora import adapter_to_model_names
                 model_sd.update(adapter_to_model_names(load_file(str(adapter))))
             else:

@@ -461,7 +461,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
 def _is_text_key(parts: list[str]) -> bool:
     """Whether the dotted key names a string field: its value is taken as written ("End with: N." stays text
     instead of becoming a YAML mapping)."""
-    cls = GRPOConfig
+    cls: type = GRPOConfig
     for i, name in enumerate(parts):
         hints = typing.get_type_hints(cls)
         if name not in hints:
@@ -469,7 +469,7 @@ def _is_text_key(parts: list[str]) -> bool:
         tp = hints[name]
         if typing.get_origin(tp) in (Union, types.UnionType):
             tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             cls = tp
             continue
         return tp is str and i == len(parts) - 1

@@ -212,6 +212,7 @@ def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: s
     if answer_format not in ("raw", "gsm8k", "boxed"):
         raise DataError(f"config key 'data.answer_format' = {answer_format!r} is not allowed; choose raw, gsm8k "
                         f"or boxed")
+    rows: Iterator[tuple[Any, Any]]
     if path.startswith("hf:"):
         rows, where = _iter_hf(path), path
     else:
@@ -219,7 +220,6 @@ def _load_file(path: str, prompt_field: str, answer_field: str, answer_format: s
         if not p.is_file():
             raise DataError(f"data file not found: {path}" + (" (it is a directory)" if p.is_dir() else ""))
         suffix = p.suffix.lower()
-        rows: Iterator[tuple[Any, Any]]
         if suffix == ".jsonl":
             rows = _iter_jsonl(p)
         elif suffix == ".json":

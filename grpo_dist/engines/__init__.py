@@ -21,6 +21,8 @@ class Engine:
     """What the trainer needs from a backend. Every method that talks to other ranks must be called on all ranks."""
 
     module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError

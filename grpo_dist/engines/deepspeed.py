@@ -335,7 +335,7 @@ class DeepSpeedEngine(Engine):
                         p.copy_(model_state[name])
                     if self.stage == 2 and self.ctx.world_size > 1:
                         dist.broadcast(p.data, 0)
-        self.optimizer.refresh_fp32_params()  # master weights follow the loaded ones
+        self.optimizer.refresh_fp32_params()  # type: ignore[attr-defined]  # DeepSpeed's ZeRO optimizer  # master weights follow the loaded ones
         if self.ctx.is_main and optim_state is not None and optim_state.get("format") != "deepspeed":
             warnings.warn("the checkpoint's optimizer state is not DeepSpeed's (another backend?): weights are "
                           "loaded, the AdamW moments start from zero")

@@ -166,7 +166,7 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def copy_weights_to(self, replica: torch.nn.Module) -> None:
         with self._full_params():
-            full = {clean_name(n): p for n, p in self.module.named_parameters()}
+            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in self.module.named_parameters()}
             if self.cfg.lora.r:  # the replica is the plain model: W + (alpha / r) B A
                 from grpo_dist.lora import merged, scaling
                 full = merged(full, scaling(self.cfg.lora))

@@ -156,7 +156,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                     score, err = _call_safely(fn, completion, reference)
                 except Exception as e:  # noqa: BLE001 - resolving the spec failed
                     score, err = 0.0, f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
-                out = {"v": score}
+                out: dict[str, float | str] = {"v": score}
                 if err:
                     out["e"] = err
                 proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
@@ -266,7 +266,7 @@ class _Pool:
         answer).  Raises RuntimeError if no worker can be started.
         """
         results = [0.0] * len(tasks)
-        self._errors = errors = [None] * len(tasks)
+        self._errors = errors = [None] * len(tasks)  # type: list[str | None]
         attempts = [0] * len(tasks)
         pending = deque(range(len(tasks)))
         while pending or any(w.chunk for w in self.workers):
