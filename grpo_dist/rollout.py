@@ -27,6 +27,9 @@ class RolloutBatch:
     num_generations: int
     completions: list[str] = field(default_factory=list)  # decoded completion texts
     references: list[str] = field(default_factory=list)   # reference answer per row
+    # [N, C] fp32: the rollout engine's own log-prob of each completion token (temperature applied, before top-k /
+    # top-p), for the sampler/trainer mismatch metrics and the importance-sampling correction; None: not recorded
+    sampler_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -38,7 +41,8 @@ class RolloutBatch:
     def to(self, device) -> "RolloutBatch":
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                             self.completion_mask.to(device), self.num_generations, self.completions,
-                            self.references)
+                            self.references,
+                            None if self.sampler_logprobs is None else self.sampler_logprobs.to(device))
 
     def rows(self, index: list[int]) -> "RolloutBatch":
         """A sub-batch, trimmed to the columns its rows use (less padding in every forward pass)."""
@@ -50,7 +54,8 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[idx, p_start:], pm[:, p_start:], self.completion_ids[idx, :c_end],
                             cm[:, :c_end], self.num_generations,
                             [self.completions[i] for i in index] if self.completions else [],
-                            [self.references[i] for i in index] if self.references else [])
+                            [self.references[i] for i in index] if self.references else [],
+                            None if self.sampler_logprobs is None else self.sampler_logprobs[idx, :c_end])
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
@@ -137,14 +142,22 @@ def make_decoder(model, total_length: int, lean: bool = True):
     return HFDecoder(model)
 
 
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per row, fp32."""
+    scores = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, -1)
+
+
 @torch.inference_mode()
 def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
-                 eos_ids: torch.Tensor, pad: int) -> torch.Tensor:
+                 eos_ids: torch.Tensor, pad: int, logprobs_out: list | None = None) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
     prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
-    draws from the same distribution with another use of the RNG (sample_from_scores)."""
+    draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
+    receives per step the fp32 log-prob of each row's token under softmax(logits / temperature), the quantity the
+    trainer computes (before top-k / top-p, which the trainer does not apply either)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
     # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
@@ -163,6 +176,8 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
         else:
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
+        if logprobs_out is not None:
+            logprobs_out.append(_token_logprobs(logits, nxt, temperature if do_sample else 1.0))
         tokens[:, t] = nxt
         done |= torch.isin(nxt, eos_ids)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):

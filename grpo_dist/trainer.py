@@ -34,12 +34,14 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import grpo_loss, selective_log_probs, uses_sequence_normaliser
+from grpo_dist.losses import grpo_loss, k3_kl, selective_log_probs, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_only, load_tokenizer,
                               materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rollout import RolloutBatch, completion_logits, generate_rollouts
+from grpo_dist.rollout import RolloutBatch, completion_logits
+from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, eos_token_ids, generate_batch,
+                                       require_vllm, rollout_dtype)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -64,26 +66,17 @@ class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, ctx: gdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        if cfg.rollout_engine == "vllm":
+            require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
         policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
         policy = policy if meta else policy.to(ctx.device)
-        # The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
-        # is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
-        # compute dtype: rollouts then sample from the weights the training passes compute with, at half the
-        # memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
-        # would shift positions against the training forward more and more along the sequence.
-        self.gen_model = copy.deepcopy(policy).eval()
-        compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        if compute_dtype is not None:
-            for p in self.gen_model.parameters():
-                p.data = p.data.to(compute_dtype)
-        if meta:
-            materialize_meta(self.gen_model, ctx.device)
-        self.gen_model.requires_grad_(False)
-        prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
+        # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
+        self.gen_model = self._build_replica(policy, meta) if cfg.rollout_engine != "vllm" else None
+        self.hf_model = policy  # its config and generation_config go into checkpoints
         num_params = sum(p.numel() for p in policy.parameters())
         self.engine = build_engine(cfg, policy, ctx)
         if cfg.save_format == "sharded" and not self.engine.supports_sharded():
@@ -104,10 +97,29 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self._stop_requested = False
         self._maybe_resume()
+        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer)
+        self.weight_sync_s = 0.0
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
 
     # --------------------------------------------------------------------------------------------------- setup
+    def _build_replica(self, policy, meta: bool):
+        """The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
+        is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
+        compute dtype: rollouts then sample from the weights the training passes compute with, at half the
+        memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
+        would shift positions against the training forward more and more along the sequence."""
+        replica = copy.deepcopy(policy).eval()
+        compute_dtype = MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision)
+        if compute_dtype is not None:
+            for p in replica.parameters():
+                p.data = p.data.to(compute_dtype)
+        if meta:
+            materialize_meta(replica, self.ctx.device)
+        replica.requires_grad_(False)
+        prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
+        return replica
+
     @staticmethod
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
@@ -176,7 +188,12 @@ class GRPOTrainer:
         finally:
             self.logger.close()
             self.rewards.close()
+            self.close()
         return exit_code
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
+        self.rollout_engine.close()
 
     def train_step(self) -> dict:
         timer = Timer()
@@ -193,16 +210,31 @@ class GRPOTrainer:
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
+        metrics["time_weight_sync_s"] = self.weight_sync_s  # part of time_rollout_s
         return metrics
 
     def rollout(self, examples) -> RolloutBatch:
         cfg = self.cfg
-        self.engine.copy_weights_to(self.gen_model)
+        self.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
-        return generate_rollouts(
-            self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
-            cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
-            cfg.generation_batch_size, lean_decoder=cfg.lean_decoder)
+        return generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
+                              self.sampling_spec(), cfg.data.max_prompt_length, self.ctx.device)
+
+    def sampling_spec(self, greedy: bool = False, n: int | None = None) -> SamplingSpec:
+        cfg = self.cfg
+        return SamplingSpec(n=n or cfg.num_generations, max_tokens=cfg.max_completion_length,
+                            eos_ids=eos_token_ids(self.tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, greedy=greedy)
+
+    def sync_rollout_weights(self) -> None:
+        """The policy's current weights into the rollout engine, streamed one FSDP unit at a time in the compute
+        dtype. Collective: every rank runs it."""
+        t0 = time.perf_counter()
+        weights = self.engine.iter_full_weights(rollout_dtype(self.cfg))
+        self.rollout_engine.sync_weights(weights)
+        if next(weights, None) is not None:  # every rank must run every unit's all-gather, and nothing is stale
+            raise RuntimeError(f"the {self.rollout_engine.name} rollout engine did not take every weight")
+        self.weight_sync_s = time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------- the update
     def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
@@ -242,7 +274,8 @@ class GRPOTrainer:
             ref_logp = self._score(self.ref_model, batch, micro) if self.ref_model is not None else None
             old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
 
-        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0)
+        sums = dict(loss=0.0, pg=0.0, kl=0.0, clipped=0.0, ratio=0.0, entropy=0.0, sampler_diff=0.0, sampler_kl=0.0,
+                    is_weight=0.0)
         grad_norms, applied = [], 0
         with timer("update"):
             for it in range(cfg.num_iterations):
@@ -261,9 +294,10 @@ class GRPOTrainer:
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
+                    is_weights = self._sampler_terms(mb, old, sums if it == 0 else None)
                     terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
                                       cfg.loss_type, ref, cfg.beta, cfg.epsilon, cfg.epsilon_high,
-                                      cfg.max_completion_length)
+                                      cfg.max_completion_length, is_weights)
                     # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
                     loss = terms.loss * self.ctx.world_size
                     if faults.inject("nan", self.step + 1, self.ctx.rank):
@@ -286,7 +320,41 @@ class GRPOTrainer:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
         correct = rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
+        metrics = self._step_metrics(batch, rewards, correct, flat_groups, sums, grad_norms, applied)
+        metrics.update(self._sampler_metrics(sums, batch, rows))
+        return metrics
+
+    @torch.no_grad()
+    def _sampler_terms(self, mb: RolloutBatch, old: torch.Tensor, sums: dict | None) -> torch.Tensor | None:
+        """Sampler/trainer mismatch on this micro-batch's completion tokens (added to sums on the first
+        iteration) and the truncated importance weights of config key sampler_correction (None when off)."""
+        if mb.sampler_logprobs is None:
+            if self.cfg.sampler_correction != "none":
+                raise ValueError("sampler_correction needs the rollout engine's log-probs (batch.sampler_logprobs)")
+            return None
+        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
+        weights = None
+        if self.cfg.sampler_correction != "none":
+            weights = truncated_is_weights(old, sampler, mask, self.cfg.sampler_correction,
+                                           self.cfg.sampler_correction_cap)
+        if sums is not None:
+            sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
+            sums["sampler_kl"] += float((k3_kl(sampler, old) * mask).sum())  # KL(sampler || trainer), k3
+            if weights is not None:
+                sums["is_weight"] += float((weights * mask).sum())
+        return weights
+
+    def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
+        """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
+        trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
+        tokens = float(batch.completion_mask[rows].sum()) if rows else 0.0
+        s = gdist.all_reduce_sum([sums["sampler_diff"], sums["sampler_kl"], sums["is_weight"], tokens],
+                                 self.ctx.device)
+        tok = max(float(s[3]), 1.0)
+        out = {"sampler_logprob_diff": float(s[0] / tok), "sampler_kl": float(s[1] / tok)}
+        if self.cfg.sampler_correction != "none":
+            out["is_weight_mean"] = float(s[2] / tok)
+        return out
 
     def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list[torch.Tensor | None]:
         """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy)."""
@@ -365,9 +433,9 @@ class GRPOTrainer:
     def evaluate(self) -> dict:
         """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
         from grpo_dist.evaluate import evaluate_accuracy
-        self.engine.copy_weights_to(self.gen_model)
+        self.sync_rollout_weights()
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
-        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards)
+        acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards)
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:
@@ -376,6 +444,6 @@ class GRPOTrainer:
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
+        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format)
