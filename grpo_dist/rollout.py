@@ -27,8 +27,8 @@ class RolloutBatch:
     num_generations: int
     completions: list[str] = field(default_factory=list)  # decoded completion texts
     references: list[str] = field(default_factory=list)   # reference answer per row
-    # [N, C] fp32: the rollout engine's own log-prob of each completion token (temperature applied, before top-k /
-    # top-p), for the sampler/trainer mismatch metrics and the importance-sampling correction; None: not recorded
+    # [N, C] fp32: the rollout engine's own log-prob of each completion token (rollout_engines.py says which), for
+    # the sampler/trainer mismatch metrics and the importance-sampling correction; None: not recorded
     sampler_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -142,9 +142,8 @@ def make_decoder(model, total_length: int, lean: bool = True):
     return HFDecoder(model)
 
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[token] per row, fp32."""
-    scores = logits.float() / temperature if temperature != 1.0 else logits.float()
+def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(scores)[token] per row, fp32."""
     return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, -1)
 
 
@@ -156,8 +155,8 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
     prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
     draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
-    receives per step the fp32 log-prob of each row's token under softmax(logits / temperature), the quantity the
-    trainer computes (before top-k / top-p, which the trainer does not apply either)."""
+    receives per step the fp32 log-prob of each row's token under the distribution it was drawn from (temperature,
+    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
     # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
@@ -177,7 +176,7 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
         if logprobs_out is not None:
-            logprobs_out.append(_token_logprobs(logits, nxt, temperature if do_sample else 1.0))
+            logprobs_out.append(_token_logprobs(scores, nxt))
         tokens[:, t] = nxt
         done |= torch.isin(nxt, eos_ids)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):

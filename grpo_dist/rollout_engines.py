@@ -11,9 +11,10 @@ Engines (config key `rollout_engine`):
     vllm  one vLLM engine per rank, in-process and colocated with training (TRL's "colocate" mode): it owns its
           copy of the weights, refreshed in place after every optimizer step (collective_rpc "reload_weights")
 
-Every engine returns the sampler's own log-probs: log softmax(logits / temperature) of each sampled token (before
-top-k / top-p, which the trainer's log-probs do not apply either), so the trainer can measure and correct the
-sampler/trainer mismatch whatever produced the tokens.
+Every engine returns the sampler's own log-prob of each sampled token under the distribution it was drawn from
+(logits / temperature, then top-k / top-p renormalised: vLLM's "processed_logprobs"), so the trainer can measure and
+correct the sampler/trainer mismatch whatever produced the tokens. Without top-k / top-p (the default) that is the
+trainer's own quantity, log softmax(logits / temperature); with them, the filtering shows up in the mismatch.
 """
 
 from __future__ import annotations

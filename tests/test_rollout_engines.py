@@ -52,7 +52,7 @@ def _engine_logprobs(rank, world, engine_kind):
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
     cfg = load_config(None, TINY + [f"rollout_engine={engine_kind}", "output_dir=/tmp/unused_engines",
-                                    "temperature=0.7", "top_k=20", "max_steps=1", "sampler_correction=token"])
+                                    "temperature=0.7", "max_steps=1", "sampler_correction=token"])
     tr = GRPOTrainer(cfg, init_distributed(60))
     batch = tr.rollout(tr.sampler.next_batch())
     assert batch.sampler_logprobs.shape == batch.completion_ids.shape
