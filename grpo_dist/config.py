@@ -97,7 +97,7 @@ class DistributedConfig:
 class VLLMConfig:
     gpu_memory_utilization: float = _f(0.3, "GPU: fraction of the GPU memory vLLM may take (weights + KV cache); "
                                        "the rest stays with training")
-    kv_cache_gb: Optional[float] = _f(None, "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, default 1; GPU: "
+    kv_cache_gb: Optional[float] = _f(None, "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, default 1; GPU: "
                                       "instead of gpu_memory_utilization's share)")
     max_model_len: Optional[int] = _f(None, "longest prompt + completion (None: data.max_prompt_length + "
                                       "max_completion_length)")

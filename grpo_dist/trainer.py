@@ -41,7 +41,7 @@ from grpo_dist.models import (MIXED_PRECISION_DTYPES, load_model, load_on_rank0_
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rollout import RolloutBatch, completion_logits
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, eos_token_ids, generate_batch,
-                                       require_vllm, rollout_dtype)
+                                       require_vllm, rollout_dtype, tied_aliases)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -77,6 +77,7 @@ class GRPOTrainer:
         # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
         self.gen_model = self._build_replica(policy, meta) if cfg.rollout_engine != "vllm" else None
         self.hf_model = policy  # its config and generation_config go into checkpoints
+        self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
         num_params = sum(p.numel() for p in policy.parameters())
         self.engine = build_engine(cfg, policy, ctx)
         if cfg.save_format == "sharded" and not self.engine.supports_sharded():
@@ -97,7 +98,7 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self._stop_requested = False
         self._maybe_resume()
-        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer)
+        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
         self.weight_sync_s = 0.0
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
@@ -339,7 +340,8 @@ class GRPOTrainer:
                                            self.cfg.sampler_correction_cap)
         if sums is not None:
             sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
-            sums["sampler_kl"] += float((k3_kl(sampler, old) * mask).sum())  # KL(sampler || trainer), k3
+            # KL(sampler || trainer), k3, in float64: for differences ~1e-5 fp32 rounding would swamp its ~d^2/2
+            sums["sampler_kl"] += float((k3_kl(sampler.double(), old.double()) * mask).sum())
             if weights is not None:
                 sums["is_weight"] += float((weights * mask).sum())
         return weights

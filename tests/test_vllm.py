@@ -83,11 +83,12 @@ def test_vllm_weight_sync_greedy_equals_lean_and_sampled_logprobs_match(smollm2_
           ", ".join(f"{m['sampler_logprob_diff']:.2e}/{m['sampler_kl']:.2e}" for m in r["metrics"]))
     assert r["vllm"] == r["lean"], "vLLM did not generate from the trained weights"
     assert r["lean"] != r["untrained"], "3 steps left every greedy completion unchanged: the test proves nothing"
-    # fp32 on both sides, only kernels differ: measured mean ~1e-5, max ~1e-4 (bench/README.md). A stale weight,
-    # a missed temperature or an off-by-one token gives differences of 1e-2 and more.
+    # fp32 on both sides, only kernels differ: measured mean 6e-6, max 4e-5 over 170 tokens (8e-6..1e-5 logged per
+    # step). A stale tensor gives 1e-2 and more: without the tied "lm_head.weight" in the sync this measured mean
+    # 1.1e-2, max 0.11 after 3 steps, while the greedy tokens still agreed. Bounds: 15x / 50x the measured values.
     assert r["diff_mean"] < 1e-4 and r["diff_max"] < 2e-3
     for m in r["metrics"]:  # the logged mismatch is the same quantity
-        assert 0 < m["sampler_logprob_diff"] < 1e-4 and 0 <= m["sampler_kl"] < 1e-6
+        assert 0 < m["sampler_logprob_diff"] < 1e-4 and 0 <= m["sampler_kl"] < 1e-8
 
 
 def _two_rank_run(rank, world, model_dir, out, max_steps, resume):
