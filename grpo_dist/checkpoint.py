@@ -269,9 +269,10 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) ->
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, engine, ctx) -> dict:
+def load_checkpoint(path: Path, engine, ctx, tied: dict[str, list[str]] | None = None) -> dict:
     """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
-    size is unchanged). Returns the trainer state, with `rng_restored` set."""
+    size is unchanged). Returns the trainer state, with `rng_restored` set. tied: {name: other names} of tied
+    parameters (rollout_engines.tied_aliases), whose other names the HF files leave out."""
     path = Path(path)
     state = read_trainer_state(path)
     if (path / SHARDED_DIR).is_dir():
@@ -287,6 +288,10 @@ def load_checkpoint(path: Path, engine, ctx) -> dict:
             model_sd = {}
             for f in sorted(path.glob("*.safetensors")):
                 model_sd.update(load_file(str(f)))
+            for name, aliases in (tied or {}).items():  # write_hf_weights drops lm_head.weight when it is tied;
+                for alias in aliases:                     # the strict load wants it
+                    if alias not in model_sd and name in model_sd:
+                        model_sd[alias] = model_sd[name]
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd

@@ -144,7 +144,7 @@ class GRPOTrainer:
             if saved["world_size"] != self.ctx.world_size and global_batch % self.ctx.world_size == 0:
                 hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
             raise DataError(f"{path}: {e}{hint}") from None
-        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx)
+        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx, self.tied_weights)
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
