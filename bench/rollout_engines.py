@@ -46,7 +46,7 @@ def main():
     from grpo_dist.data import render_prompt
     from grpo_dist.trainer import GRPOTrainer
 
-    model = args.model or smollm2.build_model_dir()
+    model = str(args.model or smollm2.build_model_dir())
     overrides = [f"model.name_or_path={model}", f"rollout_engine={args.engine}", "output_dir=/tmp/bench_rollout",
                  "reward_workers=0", "progress_bar=false", "report_to=[]", "beta=0", "save_final=false",
                  f"prompts_per_rank={args.prompts}", f"num_generations={args.num_generations}",
