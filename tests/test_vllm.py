@@ -126,3 +126,29 @@ def test_two_ranks_with_vllm_train_checkpoint_resume_and_stay_in_step(smollm2_di
         assert 0 < m["sampler_logprob_diff"] < 1e-3 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-2)
         assert m["time_weight_sync_s"] > 0
     assert (out / "checkpoint-3").is_dir()
+
+
+def test_evaluate_with_vllm_matches_the_lean_decoder(smollm2_dir, tmp_path):
+    """python -m grpo_dist.evaluate rollout_engine=vllm: the same greedy accuracy as the lean decoder (the reward
+    reads the text, so equal greedy completions give equal accuracy), and sampled pass@k from vLLM."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "probs.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {a + 7}?", "answer": str(2 * a + 7)}) + "\n"
+                            for a in range(6)))
+    env = dict(os.environ, PYTHONPATH=f"{root / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    results = {}
+    for engine in ("vllm", "lean"):
+        out = tmp_path / f"{engine}.json"
+        cmd = [sys.executable, "-m", "grpo_dist.evaluate", "--model", str(smollm2_dir), "--data", str(data),
+               "--num-samples", "2", "--output", str(out), f"rollout_engine={engine}", "max_completion_length=16",
+               "reward_workers=0", "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]",
+               "vllm.kv_cache_gb=1"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=root)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results[engine] = json.loads(out.read_text())
+    assert results["vllm"]["num_examples"] == 6
+    assert results["vllm"]["accuracy"] == results["lean"]["accuracy"]
+    assert 0 <= results["vllm"]["pass@1"] <= results["vllm"]["pass@2"] <= 1
