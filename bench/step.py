@@ -22,7 +22,6 @@ The last output line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -69,14 +68,6 @@ def apply_levers(args):
     import torch
 
     import grpo_dist.trainer as tr
-    gen = tr.generate_rollouts
-    extra = {}
-    if args.exact_length:
-        extra["min_completion_length"] = args.max_completion_length
-    if args.hf_generate:
-        extra["use_hf_generate"] = True
-    if extra:
-        tr.generate_rollouts = functools.partial(gen, **extra)
     if args.fsdp_one_rank:
         from grpo_dist.engines.fsdp import FSDPEngine
         tr.build_engine = FSDPEngine
@@ -90,6 +81,33 @@ def apply_levers(args):
     elif args.keep_logits:
         sel = tr.selective_log_probs
         tr.selective_log_probs = lambda *a, overwrite_logits=False, **k: sel(*a, **k)
+
+
+def apply_rollout_levers(args, trainer):
+    """Exact completion length (min = max tokens) for every rollout engine; --hf-generate: transformers' generate
+    on the replica instead of the rollout engine."""
+    spec = trainer.sampling_spec
+    if args.exact_length:
+        def exact(*a, **k):
+            s = spec(*a, **k)
+            s.min_tokens = s.max_tokens
+            return s
+        trainer.sampling_spec = exact
+    if args.hf_generate:
+        from grpo_dist.data import render_prompt
+        from grpo_dist.rollout import generate_rollouts
+        cfg = trainer.cfg
+
+        def rollout(examples, refresh=True):
+            if refresh:
+                trainer.sync_rollout_weights()
+            prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
+            return generate_rollouts(
+                trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
+                cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
+                cfg.generation_batch_size, use_hf_generate=True,
+                min_completion_length=cfg.max_completion_length if args.exact_length else 0)
+        trainer.rollout = rollout
 
 
 def main(argv=None):
@@ -116,7 +134,7 @@ def main(argv=None):
     overrides.append(f"model.name_or_path={args.model}" if args.model else
                      tiny_override(args.tiny_hidden, args.tiny_layers, args.tiny_vocab))
     if args.no_lean_decoder:
-        overrides.append("lean_decoder=false")
+        overrides.append("rollout_engine=hf")
     cfg = load_config(None, overrides + list(args.set))
     apply_levers(args)
 
@@ -124,14 +142,7 @@ def main(argv=None):
     t_build = time.perf_counter()
     trainer = GRPOTrainer(cfg, ctx)
     build_s = time.perf_counter() - t_build
-    sync_times = []
-    copy = trainer.engine.copy_weights_to
-
-    def timed_copy(replica):
-        t0 = time.perf_counter()
-        copy(replica)  # noqa: F821 (deleted only after the last step)
-        sync_times.append(time.perf_counter() - t0)
-    trainer.engine.copy_weights_to = timed_copy
+    apply_rollout_levers(args, trainer)
 
     rows = []
     for step in range(args.steps):
@@ -147,7 +158,7 @@ def main(argv=None):
         else:
             m = trainer.train_step()
         cpu = time.process_time() - c0
-        sync = sync_times[-1]
+        sync = m["time_weight_sync_s"]
         tokens = m["completion_length_mean"] * completions * world
         rows.append(dict(step=step, step_s=m["step_time_s"], sync_s=sync, rollout_s=m["time_rollout_s"] - sync,
                          reward_s=m["time_reward_s"], logprobs_s=m.get("time_logprobs_s", 0.0),
@@ -192,7 +203,7 @@ def main(argv=None):
     # collected at interpreter exit, after destroy_process_group, aborted in ~1 of 5 runs ("terminate called
     # without an active exception" in a C++ thread); 0 of 22 with this release. (grpo_dist.train freezes the heap
     # at exit instead, so nothing is collected after the group is gone.)
-    del trainer, copy
+    del trainer
     gc.collect()
     gdist.cleanup()
 

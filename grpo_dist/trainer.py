@@ -34,13 +34,15 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import (grpo_loss, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
-                              uses_sequence_normaliser)
+from grpo_dist.losses import (grpo_loss, k3_kl, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
+                              truncated_is_weights, uses_sequence_normaliser)
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rollout import RolloutBatch, eos_token_ids, completion_logits, concat_rollouts, generate_rollouts
+from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, eos_token_ids
+from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
+                                       rollout_dtype, tied_aliases)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -77,25 +79,19 @@ class GRPOTrainer:
         self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        if cfg.rollout_engine == "vllm":
+            require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
         policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
         policy = policy if meta else policy.to(ctx.device)
-        # The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
-        # is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
-        # compute dtype: rollouts then sample from the weights the training passes compute with, at half the
-        # memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
-        # would shift positions against the training forward more and more along the sequence.
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        self.gen_model = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
-        if meta:
-            materialize_meta(self.gen_model, ctx.device)
-        if load_on_rank0_only(cfg, ctx.world_size):  # a collective: the meta-built ranks take rank 0's buffers
-            gdist.broadcast_tensors(list(self.gen_model.buffers()))
-        self.gen_model.requires_grad_(False)
-        prepare_replica(self.gen_model)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
+        # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
+        self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
+        self.hf_model = policy  # its config and generation_config go into checkpoints
+        self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
         num_params = sum(p.numel() for p in policy.parameters())
         if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
             lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
@@ -121,6 +117,8 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self._stop_requested = False
         self._maybe_resume()
+        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
+        self.weight_sync_s = 0.0
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step)
         self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step)
@@ -128,6 +126,21 @@ class GRPOTrainer:
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
 
     # --------------------------------------------------------------------------------------------------- setup
+    def _build_replica(self, policy, meta: bool, compute_dtype):
+        """The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
+        is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
+        compute dtype: rollouts then sample from the weights the training passes compute with, at half the
+        memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
+        would shift positions against the training forward more and more along the sequence."""
+        replica = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
+        if meta:
+            materialize_meta(replica, self.ctx.device)
+        if load_on_rank0_only(self.cfg, self.ctx.world_size):  # a collective: meta-built ranks take rank 0's buffers
+            gdist.broadcast_tensors(list(replica.buffers()))
+        replica.requires_grad_(False)
+        prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
+        return replica
+
     @staticmethod
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
@@ -147,7 +160,7 @@ class GRPOTrainer:
                 path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
                                                      self.cfg.verify_checkpoint_hashes)
                 if path is not None:
-                    ckpt.check_model_shape(path, self.gen_model.config)
+                    ckpt.check_model_shape(path, self.hf_model.config)
             except ckpt.CheckpointError as e:
                 error = str(e)
         path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
@@ -167,7 +180,7 @@ class GRPOTrainer:
             if saved["world_size"] != self.ctx.world_size and global_batch % self.ctx.world_size == 0:
                 hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
             raise DataError(f"{path}: {e}{hint}") from None
-        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx, self.gen_model)
+        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx, tied=self.tied_weights)
         self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
@@ -234,7 +247,12 @@ class GRPOTrainer:
             self.logger.close()
             self.completion_log.close()
             self.rewards.close()
+            self.close()
         return exit_code
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
+        self.rollout_engine.close()
 
     def train_step(self) -> dict:
         timer = Timer()
@@ -254,6 +272,7 @@ class GRPOTrainer:
         step_time = time.perf_counter() - t0
         metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
+        metrics["time_weight_sync_s"] = self.weight_sync_s  # part of time_rollout_s
         return metrics
 
     def _reward_errors(self, n_local: int) -> dict:
@@ -327,12 +346,26 @@ class GRPOTrainer:
     def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
         cfg = self.cfg
         if refresh:
-            self.engine.copy_weights_to(self.gen_model)
+            self.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
-        return generate_rollouts(
-            self.gen_model, self.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
-            cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
-            cfg.generation_batch_size, lean_decoder=cfg.lean_decoder)
+        return generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
+                              self.sampling_spec(), cfg.data.max_prompt_length, self.ctx.device)
+
+    def sampling_spec(self, greedy: bool = False, n: int | None = None) -> SamplingSpec:
+        cfg = self.cfg
+        return SamplingSpec(n=n or cfg.num_generations, max_tokens=cfg.max_completion_length,
+                            eos_ids=tuple(eos_token_ids(self.hf_model, self.tokenizer)),
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
+
+    def sync_rollout_weights(self) -> None:
+        """The policy's current weights into the rollout engine, streamed one FSDP unit at a time in the compute
+        dtype. Collective: every rank runs it."""
+        t0 = time.perf_counter()
+        weights = self.engine.iter_full_weights(rollout_dtype(self.cfg))
+        self.rollout_engine.sync_weights(weights)
+        if next(weights, None) is not None:  # every rank must run every unit's all-gather, and nothing is stale
+            raise RuntimeError(f"the {self.rollout_engine.name} rollout engine did not take every weight")
+        self.weight_sync_s = time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------- the update
     def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
@@ -381,7 +414,8 @@ class GRPOTrainer:
         # Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         # and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1).
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl_sum, clipped=0.0, ratio=0.0, entropy=0.0,
-                    trained_tokens=float(lengths[rows].sum()))
+                    trained_tokens=float(lengths[rows].sum()),
+                    sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0)
         grad_norms, applied = [], 0
         with timer("update"):
             for it in range(cfg.num_iterations):
@@ -398,10 +432,11 @@ class GRPOTrainer:
                     c = logp.shape[1]
                     old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
                     ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
+                    is_weights = self._sampler_terms(mb, old, sums if it == 0 else None)
                     terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
                                       cfg.loss_type, ref, cfg.beta if self._kl_in_loss() else 0.0, cfg.epsilon,
                                       cfg.epsilon_high, cfg.max_completion_length, cfg.importance_sampling_level,
-                                      cfg.dual_clip_c, cfg.kl_estimator, entropy, cfg.entropy_coef)
+                                      cfg.dual_clip_c, cfg.kl_estimator, entropy, cfg.entropy_coef, is_weights)
                     # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
                     loss = terms.loss * self.ctx.world_size
                     if faults.inject("nan", self.step + 1, self.ctx.rank):
@@ -424,7 +459,42 @@ class GRPOTrainer:
             self._track_nonfinite(applied == cfg.num_iterations)
         self.step += 1
         correct = raw_rewards >= 1.0 if correct is None else correct
-        return self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms)
+        metrics = self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms)
+        metrics.update(self._sampler_metrics(sums, batch, rows))
+        return metrics
+
+    @torch.no_grad()
+    def _sampler_terms(self, mb: RolloutBatch, old: torch.Tensor, sums: dict | None) -> torch.Tensor | None:
+        """Sampler/trainer mismatch on this micro-batch's completion tokens (added to sums on the first
+        iteration) and the truncated importance weights of config key sampler_correction (None when off)."""
+        if mb.sampler_logprobs is None:
+            if self.cfg.sampler_correction != "none":
+                raise ValueError("sampler_correction needs the rollout engine's log-probs (batch.sampler_logprobs)")
+            return None
+        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
+        weights = None
+        if self.cfg.sampler_correction != "none":
+            weights = truncated_is_weights(old, sampler, mask, self.cfg.sampler_correction,
+                                           self.cfg.sampler_correction_cap)
+        if sums is not None:
+            sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
+            # KL(sampler || trainer), k3, in float64: for differences ~1e-5 fp32 rounding would swamp its ~d^2/2
+            sums["sampler_kl"] += float((k3_kl(sampler.double(), old.double()) * mask).sum())
+            if weights is not None:
+                sums["is_weight"] += float((weights * mask).sum())
+        return weights
+
+    def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
+        """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
+        trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
+        tokens = float(batch.completion_mask[rows].sum()) if rows else 0.0
+        s = gdist.all_reduce_sum([sums["sampler_diff"], sums["sampler_kl"], sums["is_weight"], tokens],
+                                 self.ctx.device)
+        tok = max(float(s[3]), 1.0)
+        out = {"sampler_logprob_diff": float(s[0] / tok), "sampler_kl": float(s[1] / tok)}
+        if self.cfg.sampler_correction != "none":
+            out["is_weight_mean"] = float(s[2] / tok)
+        return out
 
     # ------------------------------------------------------------------------------------ algorithm options
     def _kl_in_loss(self) -> bool:
@@ -432,7 +502,7 @@ class GRPOTrainer:
 
     def _truncated(self, batch: RolloutBatch) -> torch.Tensor:
         """[N] bool: completions without an EOS token (cut at max_completion_length)."""
-        eos_ids = torch.as_tensor(eos_token_ids(self.gen_model, self.tokenizer), device=batch.completion_ids.device)
+        eos_ids = torch.as_tensor(eos_token_ids(self.hf_model, self.tokenizer), device=batch.completion_ids.device)
         has_eos = (torch.isin(batch.completion_ids, eos_ids) & batch.completion_mask.bool()).any(-1)
         return ~has_eos
 
@@ -555,10 +625,10 @@ class GRPOTrainer:
     def evaluate(self) -> dict:
         """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
         from grpo_dist.evaluate import evaluate_accuracy
-        self.engine.copy_weights_to(self.gen_model)
+        self.sync_rollout_weights()
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console
-        acc = evaluate_accuracy(self.gen_model, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
+        acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
                                 sample_out=sample if self.ctx.is_main else None)
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
@@ -570,7 +640,7 @@ class GRPOTrainer:
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.gen_model, self.tokenizer,
+        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
                                     base_name=self.cfg.model.name_or_path)

@@ -7,6 +7,7 @@ generation, full state for checkpoints); FSDP is the default implementation, Dee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 
@@ -36,6 +37,13 @@ class Engine:
 
     def copy_weights_to(self, replica: torch.nn.Module) -> None:
         """Write the full current weights into a plain (unsharded) model used for generation. Collective."""
+        copy_named_weights(replica, self.iter_full_weights())
+
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full current weights as (HF parameter name, tensor), gathered one unit at a time and cast to dtype
+        (None: as stored), so that no rank ever holds the whole unsharded model in fp32. Each tensor is valid only
+        until the next one is requested (copy it). Tied weights come once, under their first name. Collective:
+        every rank must exhaust the iterator."""
         raise NotImplementedError
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -76,6 +84,23 @@ class Engine:
     def apply_optimizer_settings(self, cfg) -> None:
         """After a resume: the configured AdamW settings and LR schedule replace the checkpoint's."""
         apply_optimizer_settings(getattr(self, "base_optimizer", None) or self.optimizer, self.scheduler, cfg)
+
+
+@torch.no_grad()
+def copy_named_weights(replica: torch.nn.Module, weights) -> int:
+    """Copy (name, tensor) pairs into the replica's parameters of those names; every parameter of the replica
+    (tied ones count once) must be written exactly once, else the replica would sample from stale weights."""
+    dst = dict(replica.named_parameters())
+    written = set()
+    for name, tensor in weights:
+        if name not in dst:
+            raise KeyError(f"weight sync: the replica has no parameter {name!r}")
+        dst[name].copy_(tensor)
+        written.add(name)
+    missing = sorted(set(dst) - written)
+    if missing:
+        raise KeyError(f"weight sync: {len(missing)} replica parameters got no weights, e.g. {missing[0]!r}")
+    return len(written)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, kind: str):

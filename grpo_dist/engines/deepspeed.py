@@ -282,12 +282,11 @@ class DeepSpeedEngine(Engine):
         return self.ds_lib.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=self.stage == 3)
 
     @torch.no_grad()
-    def copy_weights_to(self, replica: torch.nn.Module) -> None:
-        dst = dict(replica.named_parameters())
-        for chunk in self._param_chunks():
+    def iter_full_weights(self, dtype: torch.dtype | None = None):
+        for chunk in self._param_chunks():  # ZeRO-3: one gathered chunk at a time
             with self._gathered([p for _, p in chunk]):
                 for name, p in chunk:
-                    dst[name].copy_(p)
+                    yield name, p.detach() if dtype is None else p.detach().to(dtype)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):

@@ -164,14 +164,31 @@ class FSDPEngine(Engine):
         return FSDP.summon_full_params(self.module, writeback=False, recurse=True)
 
     @torch.no_grad()
-    def copy_weights_to(self, replica: torch.nn.Module) -> None:
+    def _merged_lora_weights(self, dtype: torch.dtype | None):
+        """LoRA: the plain model's weights, W + (alpha / r) B A, for the generation copy and vLLM. The adapters are
+        FSDP units of their own, so a layer's base weight and its A, B are gathered together (the whole model at
+        once: with LoRA the trainable part is small, and the base model is what a merge needs anyway)."""
+        from grpo_dist.lora import merged, scaling
         with self._full_params():
             full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in self.module.named_parameters()}
-            if self.cfg.lora.r:  # the replica is the plain model: W + (alpha / r) B A
-                from grpo_dist.lora import merged, scaling
-                full = merged(full, scaling(self.cfg.lora))
-            for name, p in replica.named_parameters():
-                p.copy_(full[name])
+            for name, t in merged(full, scaling(self.cfg.lora)).items():
+                yield name, t.detach() if dtype is None else t.detach().to(dtype)
+
+    def iter_full_weights(self, dtype: torch.dtype | None = None):
+        """One FSDP unit at a time (a decoder layer, or the root's embeddings, norm and head; the whole model under
+        fsdp_wrap=model, which only applies below 100M parameters): the unit is all-gathered, its own parameters
+        are yielded in dtype, and it is resharded before the next unit is gathered."""
+        if self.cfg.lora.r:
+            yield from self._merged_lora_weights(dtype)
+            return
+        names = {id(m): n for n, m in self.module.named_modules()}
+        for unit in FSDP.fsdp_modules(self.module):  # root first, then nested units in module order
+            prefix = clean_name(names[id(unit)] + ".") if names[id(unit)] else ""
+            nested = {id(p) for m in unit.modules() if isinstance(m, FSDP) and m is not unit for p in m.parameters()}
+            with FSDP.summon_full_params(unit, writeback=False, recurse=False):
+                for name, p in unit.named_parameters():
+                    if id(p) not in nested:
+                        yield prefix + clean_name(name), p.detach() if dtype is None else p.detach().to(dtype)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):

@@ -40,6 +40,14 @@ class LocalEngine(FSDPEngine):
     def _full_params(self):
         return contextlib.nullcontext()  # the parameters are the full weights
 
+    @torch.no_grad()
+    def iter_full_weights(self, dtype: torch.dtype | None = None):
+        if self.cfg.lora.r:
+            yield from self._merged_lora_weights(dtype)
+            return
+        for name, p in self.module.named_parameters():  # already full: one tensor at a time, cast if asked
+            yield clean_name(name), p.detach() if dtype is None else p.detach().to(dtype)
+
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

