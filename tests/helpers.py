@@ -1,5 +1,7 @@
 """Helpers shared by several test modules (test modules import from here, never from each other)."""
 
+import json
+
 import torch
 
 # ------------------------------------------------------------------ the fixed one-step batch (2 ranks vs 1 process)
@@ -78,3 +80,22 @@ def tensors_equal(a, b, where=""):
             tensors_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# A tiny Llama whose output layer is tied to its embeddings (test_tied_embeddings, test_deepspeed_reference).
+TIED_BASE = ["model.tiny={architecture: llama, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+              "num_key_value_heads: 2, intermediate_size: 64, tie_word_embeddings: true}",
+              "data.limit=8", "prompts_per_rank=2", "num_generations=4", "max_completion_length=8", "temperature=1.0",
+              "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "reward_workers=0",
+              "learning_rate=1e-3", "weight_decay=0.0", "beta=0.04", "micro_batch_size=4", "max_steps=2",
+              "save_format=full", "progress_bar=false", "report_to=[jsonl]", "distributed.timeout_s=60"]
+
+
+def checkpoint_state(ckpt):
+    """(weights, optimizer state, trainer state without config/save_format) of a full-state checkpoint."""
+    from safetensors.torch import load_file
+    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+    for k in ("config", "save_format"):
+        trainer_state.pop(k)
+    return (load_file(str(ckpt / "model.safetensors")), torch.load(ckpt / "optimizer.pt", weights_only=False),
+            trainer_state)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from test_tied_embeddings import BASE
+from helpers import TIED_BASE as BASE
 
 
 def _first_step(rank, world, out):

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_ranks
-from test_equivalence import BASE, G, PROMPTS, fixed_rollout
+from helpers import EQUIV_BASE as BASE
+from helpers import G, PROMPTS, fixed_rollout
 
 LORA = ["lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj, v_proj, down_proj]"]
 S = 8 / 4  # alpha / r
@@ -186,7 +187,7 @@ def test_lora_step_equals_the_step_by_hand_and_two_ranks_equal_one(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
-from test_resume import BASE as RESUME_BASE  # noqa: E402
+from helpers import RESUME_BASE  # noqa: E402
 
 
 def _resume_trainer(overrides):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from test_step_metrics import BASE
+from helpers import EQUIV_BASE as BASE
 
 
 def test_nonfinite_stop_advises_an_override_that_parses():

@@ -89,7 +89,8 @@ def _straight_and_requeued(rank, world, model_dir, out):
 
 @pytest.mark.slow
 def test_real_model_requeue_resumes_bitwise_on_two_fsdp_ranks(smollm2_dir, tmp_path):
-    from test_resume import _state, _tensors_equal
+    from helpers import checkpoint_state as _state
+    from helpers import tensors_equal as _tensors_equal
     run_ranks(_straight_and_requeued, 2, tmp_path, smollm2_dir, str(tmp_path), timeout=1500)
     want = _state(tmp_path / "straight" / "checkpoint-4")
     got = _state(tmp_path / "requeued" / "checkpoint-4")

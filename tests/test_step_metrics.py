@@ -6,7 +6,8 @@ over every iteration's tokens (iteration 0 alone always reads 1.0 and 0.0)."""
 
 import torch
 
-from test_equivalence import BASE, G, fixed_rollout
+from helpers import EQUIV_BASE as BASE
+from helpers import G, fixed_rollout
 
 
 def _trainer(overrides):

@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from test_resume import _state, _tensors_equal
+from helpers import TIED_BASE as BASE
+from helpers import checkpoint_state as _state
+from helpers import tensors_equal as _tensors_equal
 
-BASE = ["model.tiny={architecture: llama, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, intermediate_size: 64, tie_word_embeddings: true}",
-        "data.limit=8", "prompts_per_rank=2", "num_generations=4", "max_completion_length=8", "temperature=1.0",
-        "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "reward_workers=0",
-        "learning_rate=1e-3", "weight_decay=0.0", "beta=0.04", "micro_batch_size=4", "max_steps=2",
-        "save_format=full", "progress_bar=false", "report_to=[jsonl]", "distributed.timeout_s=60"]
 ENGINES = {  # name: (ranks, overrides, engine class)
     "local": (1, ["prompts_per_rank=4"], "LocalEngine"),
     "fsdp_2_ranks": (2, [], "FSDPEngine"),

@@ -114,7 +114,8 @@ def test_entropy_bonus_value_and_gradient():
 
 # ------------------------------------------------------------------------------------------- through the trainer
 from dist_utils import run_ranks  # noqa: E402
-from test_equivalence import BASE, G, PROMPTS, fixed_rollout  # noqa: E402
+from helpers import EQUIV_BASE as BASE  # noqa: E402
+from helpers import G, PROMPTS, fixed_rollout  # noqa: E402
 
 TRAINER_VARIANTS = {
     "plain": [],
