@@ -224,7 +224,8 @@ def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path
     summary.update(extra or {})
     Path(out).write_text(json.dumps(summary, indent=1) + "\n")
     rows = [("greedy accuracy (pass@1)", "base_accuracy", "final_accuracy")]
-    rows += [(f"{k[5:]} sampled at T=1", k, k.replace("base_", "final_")) for k in summary
+    temperature = final.get("temperature", 1.0)
+    rows += [(f"{k[5:]} sampled at T={temperature:g}", k, k.replace("base_", "final_")) for k in summary
              if k.startswith("base_pass@")]
     if "base_truncated_fraction" in summary:
         rows.append(("greedy answers cut off", "base_truncated_fraction", "final_truncated_fraction"))
