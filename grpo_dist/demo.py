@@ -4,6 +4,8 @@
     python -m grpo_dist.demo summary --base-eval A.json --final-eval B.json --out OUT/demo_summary.json --wall-time-s T
 
 `bash launch/demo.sh OUTPUT_DIR` runs the whole demo (venv, base model, evaluation before and after GRPO, plots).
+`bash launch/demo.sh --real OUTPUT_DIR` runs it on the real SmolLM2-135M-Instruct (configs/demo_real_cpu.yaml, whose
+format reward `final_answer_only` lives here).
 
 Why a warm start with noisy answers: GRPO only learns from groups whose completions disagree (some right, some
 wrong). A real instruction model on MATH is in exactly that state: it solves a problem some of the time (a public
@@ -30,6 +32,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +56,17 @@ def number_match(completion: str, reference: str) -> float:
         return float(int(text) == int(reference.strip()))
     except ValueError:
         return 0.0
+
+
+_FINAL_ANSWER_LINE = re.compile(r"The final answer is -?\d+\.?")
+
+
+def final_answer_only(completion: str, reference: str) -> float:
+    """Format reward of the real-model demo: 1 when the whole completion is the line "The final answer is N." with
+    an integer N (right or wrong), else 0. Correctness is math_reward's job (it reads the same phrase); this small
+    extra reward pays for answering in the graded form and then stopping, which math_reward alone does not (a right
+    answer followed by rambling up to the cut-off scores 1)."""
+    return float(_FINAL_ANSWER_LINE.fullmatch(completion.strip()) is not None)
 
 
 @dataclass
@@ -197,7 +211,7 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
 
 
 def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path, wall_time_s: float,
-                  extra: dict | None = None) -> dict:
+                  extra: dict | None = None, title: str = "Held-out addition problems never seen in training") -> dict:
     """OUTPUT_DIR/demo_summary.json from the two evaluation results, and a before/after table on stdout."""
     base, final = json.loads(Path(base_eval).read_text()), json.loads(Path(final_eval).read_text())
     summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"], "wall_time_s": wall_time_s,
@@ -205,17 +219,47 @@ def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path
     for k in sorted({k for k in base if k.startswith("pass@")} & {k for k in final if k.startswith("pass@")},
                     key=lambda k: int(k[5:])):
         summary[f"base_{k}"], summary[f"final_{k}"] = base[k], final[k]
+    if "truncated_fraction" in base and "truncated_fraction" in final:
+        summary["base_truncated_fraction"] = base["truncated_fraction"]
+        summary["final_truncated_fraction"] = final["truncated_fraction"]
     summary.update(extra or {})
     Path(out).write_text(json.dumps(summary, indent=1) + "\n")
     rows = [("greedy accuracy (pass@1)", "base_accuracy", "final_accuracy")]
-    rows += [(f"{k[5:]} sampled at T=1", k, k.replace("base_", "final_")) for k in summary
+    temperature = final.get("temperature", 1.0)
+    rows += [(f"{k[5:]} sampled at T={temperature:g}", k, k.replace("base_", "final_")) for k in summary
              if k.startswith("base_pass@")]
-    print(f"\nHeld-out addition problems never seen in training ({summary['num_eval_problems']}):")
+    if "base_truncated_fraction" in summary:
+        rows.append(("greedy answers cut off", "base_truncated_fraction", "final_truncated_fraction"))
+    print(f"\n{title} ({summary['num_eval_problems']}):")
     print(f"  {'':28s} {'before':>8s} {'after':>8s}")
     for label, a, b in rows:
         print(f"  {label:28s} {summary[a]:8.1%} {summary[b]:8.1%}")
     print(f"  wall time {wall_time_s / 60:.1f} min; summary in {out}")
     return summary
+
+
+def pair_completions(base_file: str | Path, final_file: str | Path, out: str | Path, show: int = 3) -> list[dict]:
+    """Join the greedy completions of the two evaluations by problem, write them as JSON lines to `out`, and print
+    the first `show` problems (the first ones, not picked by outcome) with how many answers flipped each way."""
+    def read(path):
+        return {r["index"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+    before, after = read(base_file), read(final_file)
+    pairs = [{"problem": b["problem"], "reference": b["reference"], "before": b["completion"],
+              "before_correct": b["correct"], "before_truncated": b["truncated"], "after": after[i]["completion"],
+              "after_correct": after[i]["correct"], "after_truncated": after[i]["truncated"]}
+             for i, b in sorted(before.items()) if i in after]
+    Path(out).write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    fixed = sum(not p["before_correct"] and p["after_correct"] for p in pairs)
+    broken = sum(p["before_correct"] and not p["after_correct"] for p in pairs)
+    print(f"\nGreedy completions, first {min(show, len(pairs))} held-out problems (all {len(pairs)} in {out}; "
+          f"{fixed} went wrong -> right, {broken} right -> wrong):")
+    mark = {True: "right", False: "wrong"}
+    for p in pairs[:show]:
+        print(f"  {p['problem']}  (answer {p['reference']})")
+        for when in ("before", "after"):
+            cut = ", cut off" if p[f"{when}_truncated"] else ""
+            print(f"    {when:6s} [{mark[p[f'{when}_correct']]}{cut}] {p[when]!r}")
+    return pairs
 
 
 def _progress(total: int, desc: str):
@@ -243,9 +287,18 @@ def main(argv=None) -> int:
     m.add_argument("--final-eval", required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--wall-time-s", type=float, required=True)
+    m.add_argument("--title", default="Held-out addition problems never seen in training")
+    m.add_argument("--base-completions", help="eval_base_completions.jsonl (python -m grpo_dist.evaluate "
+                   "--completions): with --final-completions, print a few completions before and after")
+    m.add_argument("--final-completions")
+    m.add_argument("--pairs-out", help="where the paired completions go (default: next to --out)")
+    m.add_argument("--show", type=int, default=3, help="completions printed before/after")
     args = p.parse_args(argv)
     if args.cmd == "summary":
-        write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s)
+        write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s, title=args.title)
+        if args.base_completions and args.final_completions:
+            pairs_out = args.pairs_out or Path(args.out).with_name("sample_completions.jsonl")
+            pair_completions(args.base_completions, args.final_completions, pairs_out, args.show)
         return 0
     if args.cmd == "build-base":
         s = BaseSettings(**{k: getattr(args, k) for k in asdict(defaults) if k != "noise_offsets"})

@@ -69,9 +69,18 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
     return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
 
 
+def _cut_off(batch, eos_ids) -> list[bool]:
+    """Per row: no EOS within max_completion_length (the completion was cut off at the length limit)."""
+    ids = torch.as_tensor(list(eos_ids), device=batch.completion_ids.device)
+    ended = (torch.isin(batch.completion_ids, ids) & batch.completion_mask.bool()).any(-1)
+    return (~ended).tolist()
+
+
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
-                    batch_size: int = 64, bar=None, sample_out: list | None = None) -> list[int]:
+                    batch_size: int = 64, bar=None, records: list | None = None,
+                    sample_out: list | None = None) -> list[int]:
     """Per example, how many of its num_samples completions are correct. model: a RolloutEngine or a model.
+    With `records`, one dict per completion (problem, reference, completion, correct, cut off) is appended to it;
     sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
     engine = as_rollout_engine(model, cfg, tokenizer)
     sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
@@ -88,6 +97,12 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
         if sample_out is not None and not sample_out and batch.completions:
             sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
+        if records is not None:
+            cut = _cut_off(batch, sampling.eos_ids)
+            records += [{"index": chunk[i // num_samples].index, "problem": chunk[i // num_samples].prompt,
+                         "reference": batch.references[i], "completion": batch.completions[i],
+                         "correct": flags[i], "truncated": cut[i],
+                         "num_tokens": int(batch.completion_mask[i].sum())} for i in range(len(flags))]
         if bar is not None:
             bar.update(len(chunk))
     return counts
@@ -111,17 +126,19 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
-             progress: bool = False) -> dict:
-    """Greedy pass@1 and, with num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it.
-    model: a RolloutEngine, or a model (sampled with the lean / hf loop)."""
+             progress: bool = False, records: list | None = None) -> dict:
+    """Greedy pass@1, the fraction of greedy completions cut off at max_completion_length (no EOS) and, with
+    num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
+    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it."""
     mine = examples[ctx.rank::ctx.world_size]
     bar = None
     if progress and ctx.is_main and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
     t0 = time.perf_counter()
-    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar) if mine else []
-    sums = [float(sum(greedy)), float(len(mine))]
+    mine_records: list[dict] = []
+    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records)
+    sums = [float(sum(greedy)), float(len(mine)), float(sum(r["truncated"] for r in mine_records))]
     ks = k_values(num_samples) if num_samples > 0 else []
     if ks:
         if bar is not None:
@@ -130,13 +147,16 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
         sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
                                   max(1, batch_size // num_samples), bar) if mine else []
         sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
+    if records is not None:
+        records += mine_records
     if bar is not None:
         bar.close()
     total = gdist.all_reduce_sum(sums, ctx.device)
     n = max(float(total[1]), 1.0)
-    result = {"accuracy": float(total[0] / n), "num_examples": int(total[1])}
+    result = {"accuracy": float(total[0] / n), "num_examples": int(total[1]),
+              "truncated_fraction": float(total[2] / n)}
     for i, k in enumerate(ks):
-        result[f"pass@{k}"] = float(total[2 + i] / n)
+        result[f"pass@{k}"] = float(total[3 + i] / n)
     if ks:
         result["num_samples"] = num_samples
         result["temperature"] = cfg.temperature
@@ -188,6 +208,17 @@ def run_config(model_arg: str, model_dir: str) -> tuple[dict | None, str | None]
     return None, None
 
 
+def _write_completions(path: str, records: list, ctx) -> None:
+    """Every rank's greedy completion records, gathered on rank 0 and written in problem order."""
+    if ctx.world_size > 1:
+        gathered: list = [None] * ctx.world_size
+        torch.distributed.all_gather_object(gathered, records)
+        records = [r for part in gathered for r in part]
+    if ctx.is_main:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["index"])))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_dist.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,6 +230,8 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="evaluate only the first N problems")
     p.add_argument("--batch-size", type=int, default=64, help="problems generated at once per rank (greedy)")
     p.add_argument("--output", help="also write the JSON result to this file (rank 0)")
+    p.add_argument("--completions", help="write every greedy completion to this JSON-lines file (rank 0; problem, "
+                   "reference, completion, correct, truncated), in problem order")
     p.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. temperature=0.6")
     return p.parse_args(argv)
 
@@ -242,11 +275,15 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(cfg.model)
         model = _rollout_model(cfg, ctx, tokenizer)
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        records: list | None = [] if args.completions else None
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,
-                          progress=True)
+                          progress=True, records=records)
         result["model"] = model_dir
+        if records is not None:
+            _write_completions(args.completions, records, ctx)
         if ctx.is_main:
-            print(f"greedy pass@1: {result['accuracy']:.4f} on {result['num_examples']} problems")
+            print(f"greedy pass@1: {result['accuracy']:.4f} on {result['num_examples']} problems; "
+                  f"{result['truncated_fraction']:.1%} cut off at max_completion_length={cfg.max_completion_length}")
             for k in (k_values(args.num_samples) if args.num_samples else []):
                 print(f"pass@{k}: {result[f'pass@{k}']:.4f} ({args.num_samples} samples per problem, "
                       f"temperature {cfg.temperature})")

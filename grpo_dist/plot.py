@@ -3,7 +3,8 @@
     python -m grpo_dist.plot OUTPUT_DIR [--smoothing 0.8] [--out DIR]
 
 Writes OUTPUT_DIR/plots/training_curves.png (all panels on one page) and one PNG per panel (reward.png,
-eval_accuracy.png, completion_length.png, kl.png, entropy.png, clip_fraction.png, grad_norm.png, tokens_per_s.png).
+eval_accuracy.png, completion_length.png, truncated.png, kl.png, entropy.png, clip_fraction.png, grad_norm.png,
+tokens_per_s.png).
 Each panel shows the raw per-step values faintly and an exponential moving average (the --smoothing weight, as in
 TensorBoard) on top; the x axis is the optimizer step. A panel whose metric was never logged says so instead of
 drawing an empty frame. When OUTPUT_DIR/eval_base.json exists (written by launch/demo.sh), its accuracy is drawn
@@ -40,6 +41,8 @@ PANELS = (
     Panel("completion_length.png", "Completion length", "tokens per completion",
           (("completion_length_mean", "mean"), ("completion_length_max", "max")),
           "a sudden drop to ~1 = collapse to empty answers"),
+    Panel("truncated.png", "Completions cut off (training rollouts)", "fraction that reached the length limit",
+          (("truncated_fraction", "cut off"),), "falling = the model learns to stop", ylim01=True),
     Panel("kl.png", "KL to the reference (k3)", "nats per token", (("kl", "KL"),),
           "0 when beta = 0 (no reference model)"),
     Panel("entropy.png", "Token entropy of the policy", "nats per token", (("entropy", "entropy"),),
@@ -149,7 +152,7 @@ def plot(output_dir: str | Path, out_dir: str | Path | None = None, smoothing: f
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    fig, axes = plt.subplots(3, 3, figsize=(16, 12))
     for ax, panel in zip(axes.flat, PANELS):
         _draw(ax, panel, rows, smoothing)
     fig.suptitle(f"GRPO training: {Path(output_dir).resolve().name} ({n_steps} steps; faint = raw, bold = "

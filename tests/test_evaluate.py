@@ -70,7 +70,7 @@ def test_cli_two_ranks_match_one_process(tmp_path):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_dist.evaluate",
            "--model", str(model_dir), "--data", str(data), "--config", str(cfg_path), "--num-samples", "4",
-           "--output", str(tmp_path / "result.json")]
+           "--output", str(tmp_path / "result.json"), "--completions", str(tmp_path / "completions.jsonl")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -84,15 +84,28 @@ def test_cli_two_ranks_match_one_process(tmp_path):
         cfg = load_config(cfg_path, [f"model.name_or_path={model_dir}", f"data.eval_path={data}"])
         tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, tokenizer)
+        records = []
         with RewardComputer(cfg.rewards, num_workers=0) as rewards:
             one = evaluate(model, tokenizer, load_examples(cfg.data, "eval"), cfg,
-                           DistContext(0, 1, 0, torch.device("cpu"), "gloo"), rewards)
+                           DistContext(0, 1, 0, torch.device("cpu"), "gloo"), rewards, records=records)
     finally:
         sys.path.remove(str(ROOT / "tests"))
     assert one["num_examples"] == 11
     assert one["accuracy"] == pytest.approx(last["accuracy"])
     assert 0.0 < one["accuracy"] < 1.0  # a real mix, so a wrong split or reduction would show
 
+    # --completions: both ranks' greedy completions, gathered in problem order, the same as one process makes;
+    # their correct / truncated flags add up to the reported accuracy and truncated fraction.
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(11))
+    assert [r["problem"] for r in rows] == [f"{a}+{a + 1}=" for a in range(11)]
+    assert [(r["completion"], r["correct"], r["truncated"]) for r in rows] == \
+        [(r["completion"], r["correct"], r["truncated"]) for r in records]
+    assert sum(r["correct"] for r in rows) / 11 == pytest.approx(last["accuracy"])
+    assert sum(r["truncated"] for r in rows) / 11 == pytest.approx(last["truncated_fraction"])
+    assert one["truncated_fraction"] == pytest.approx(last["truncated_fraction"])
+    for r in rows:  # cut off = no EOS, so it used every allowed token; an answer that stopped used fewer or as many
+        assert r["num_tokens"] == 3 if r["truncated"] else 1 <= r["num_tokens"] <= 3
 
 def test_output_dir_without_config_uses_the_runs_config(tmp_path):
     """A run trained with its own reward function (here: always full marks) is evaluated with that function when
