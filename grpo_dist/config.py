@@ -298,6 +298,10 @@ class GRPOConfig:
         if lc.r < 0 or (lc.r and lc.alpha <= 0) or not 0 <= lc.dropout < 1:
             bad.append(f"config keys 'lora.r' (>= 0), 'lora.alpha' (> 0), 'lora.dropout' ([0, 1)): got "
                               f"{lc.r}, {lc.alpha}, {lc.dropout}")
+        if lc.r:
+            import importlib.util
+            if importlib.util.find_spec("peft") is None:
+                bad.append("config key 'lora.r' > 0 needs peft: pip install 'grpo_dist[lora]'")
         if lc.r and not lc.target_modules:
             bad.append("config key 'lora.target_modules' must name at least one module when lora.r > 0")
         if lc.r and self.distributed.backend != "fsdp":
