@@ -266,7 +266,7 @@ class GRPOTrainer:
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         self._log_completions(batch, rewards, per_function)
-        metrics.update({f"reward/{name}": float(np.mean(v)) if v else 0.0 for name, v in per_function.items()})
+        metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
         step_time = time.perf_counter() - t0
@@ -274,6 +274,15 @@ class GRPOTrainer:
         metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
         metrics["time_weight_sync_s"] = self.weight_sync_s  # part of time_rollout_s
         return metrics
+
+    def _reward_means(self, per_function: dict) -> dict:
+        """reward/<name>: each function's mean over the completions of all ranks (every rank has the same functions,
+        so the all-reduce matches; a rank with no rows adds zeros)."""
+        names = list(per_function)
+        s = gdist.all_reduce_sum([float(sum(per_function[k])) for k in names] +
+                                 [float(len(next(iter(per_function.values()), [])))], self.ctx.device)
+        n = max(float(s[-1]), 1.0)
+        return {f"reward/{name}": float(s[i] / n) for i, name in enumerate(names)}
 
     def _reward_errors(self, n_local: int) -> dict:
         """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a

@@ -92,3 +92,26 @@ def test_two_ranks_agree(tmp_path, monkeypatch):
     for count, err in res:
         assert count == 8  # rank 0's 2 prompts x 4 generations (of 16), summed over ranks
         assert err is not None and "failed on all 16 completions of step 2" in err
+
+
+def _reward_means_on_rank(rank, world):
+    """Rank 0 scores [1, 1, 0, 0] on 'verifier', rank 1 [1, 0, 0, 0]; the format reward differs too."""
+    import types
+
+    from grpo_dist import distributed as gdist
+    from grpo_dist.trainer import GRPOTrainer
+    ctx = gdist.init_distributed(60)
+    fake = types.SimpleNamespace(ctx=ctx)
+    per_function = {"verifier": [1.0, 1.0, 0.0, 0.0] if rank == 0 else [1.0, 0.0, 0.0, 0.0],
+                    "format": [0.2, 0.2, 0.2, 0.2] if rank == 0 else [0.0, 0.0, 0.2, 0.0]}
+    return GRPOTrainer._reward_means(fake, per_function)
+
+
+def test_reward_metrics_are_means_over_all_ranks(tmp_path):
+    """reward/<name> is the mean over every rank's completions, not rank 0's alone."""
+    res = run_ranks(_reward_means_on_rank, 2, tmp_path)
+    want = {"reward/verifier": 3 / 8, "reward/format": 1.0 / 8}
+    for r in res:
+        assert r.keys() == want.keys()
+        for k, v in want.items():
+            assert abs(r[k] - v) < 1e-12, (k, r[k], v)
