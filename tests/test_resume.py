@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_utils import run_ranks
+from helpers import checkpoint_state as _state
 from helpers import resume_trainer, tensors_equal
 
 STEPS = 4
@@ -51,14 +52,6 @@ def _one_rank(rank, world, full_ckpt, sharded_ckpt, out):
         states.append(copy.deepcopy((model_sd, optim_sd, tr.sampler.state_dict())))
         assert tr.train() == 0 and tr.step == STEPS
     return str(err.value), states
-
-
-def _state(ckpt):
-    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
-    for k in ("config", "save_format"):
-        trainer_state.pop(k)
-    return (load_file(str(ckpt / "model.safetensors")), torch.load(ckpt / "optimizer.pt", weights_only=False),
-            trainer_state)
 
 
 @pytest.fixture(scope="module")
