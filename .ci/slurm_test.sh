@@ -142,7 +142,7 @@ expect_job "$j_cfg" FAILED 2:0
 expect_log "$j_cfg" "config file not found: configs/no_such_config.yaml"
 expect_job "$j_kv" FAILED 2:0
 expect_log "$j_kv" "bad override 'max_steps': expected key=value"
-expect_job "$j_key" FAILED 1:0
+expect_job "$j_key" FAILED 2:0  # the workers' exit code 2 (bad config) passes through torchrun
 expect_log "$j_key" "no_such_key"
 say "argument errors: missing config, override without '=', unknown key -> jobs FAILED with the reason in the log"
 expect_job "$j_one" COMPLETED 0:0
