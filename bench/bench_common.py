@@ -37,3 +37,12 @@ def rss_mib() -> float:
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def status_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status, in MiB (VmRSS: now; VmHWM: the peak so far)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
