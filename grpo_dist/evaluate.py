@@ -28,7 +28,7 @@ import torch
 
 from grpo_dist import distributed as gdist
 from grpo_dist.data import render_prompt
-from grpo_dist.rollout import eos_token_ids
+from grpo_dist.rollout import cut_off, eos_token_ids
 from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
 
 
@@ -69,13 +69,6 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
     return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
 
 
-def _cut_off(batch, eos_ids) -> list[bool]:
-    """Per row: no EOS within max_completion_length (the completion was cut off at the length limit)."""
-    ids = torch.as_tensor(list(eos_ids), device=batch.completion_ids.device)
-    ended = (torch.isin(batch.completion_ids, ids) & batch.completion_mask.bool()).any(-1)
-    return (~ended).tolist()
-
-
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
                     batch_size: int = 64, bar=None, records: list | None = None,
                     sample_out: list | None = None) -> list[int]:
@@ -98,7 +91,7 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
             sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if records is not None:
-            cut = _cut_off(batch, sampling.eos_ids)
+            cut = cut_off(batch, sampling.eos_ids).tolist()
             records += [{"index": chunk[i // num_samples].index, "problem": chunk[i // num_samples].prompt,
                          "reference": batch.references[i], "completion": batch.completions[i],
                          "correct": flags[i], "truncated": cut[i],

@@ -79,6 +79,12 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                         torch.cat([pad(b.sampler_logprobs, C, False, 0.0) for b in batches]))
 
 
+def cut_off(batch: RolloutBatch, eos_ids) -> torch.Tensor:
+    """[N] bool: rows whose completion has no EOS token, i.e. was cut at max_completion_length."""
+    ids = torch.as_tensor(list(eos_ids), device=batch.completion_ids.device)
+    return ~(torch.isin(batch.completion_ids, ids) & batch.completion_mask.bool()).any(-1)
+
+
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """1 up to and including the first EOS of each row, 0 after it (rows without EOS are all 1)."""
     eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],

@@ -40,7 +40,7 @@ from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, eos_token_ids
+from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
 
@@ -403,7 +403,7 @@ class GRPOTrainer:
         if cfg.skip_zero_advantage_groups:
             rows = [i for i in rows if not flat_groups[i // G]]
         if cfg.mask_truncated_completions:  # out of the loss and its normaliser; their group statistics stand
-            truncated = self._truncated(batch)
+            truncated = cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer))
             rows = [i for i in rows if not truncated[i]]
         lengths = batch.completion_lengths
         # Normaliser of the whole optimizer step, over all micro-batches and ranks.
@@ -508,12 +508,6 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------ algorithm options
     def _kl_in_loss(self) -> bool:
         return self.ref_model is not None and not self.cfg.kl_in_reward
-
-    def _truncated(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N] bool: completions without an EOS token (cut at max_completion_length)."""
-        eos_ids = torch.as_tensor(eos_token_ids(self.hf_model, self.tokenizer), device=batch.completion_ids.device)
-        has_eos = (torch.isin(batch.completion_ids, eos_ids) & batch.completion_mask.bool()).any(-1)
-        return ~has_eos
 
     def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
         """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
