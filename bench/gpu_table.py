@@ -39,7 +39,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from grpo_dist.decoder import LeanDecoder, prepare_replica
-    from grpo_dist.losses import selective_log_probs
+    from grpo_dist.logprobs import selective_log_probs
     from grpo_dist.rollout import HFDecoder, RolloutBatch, _sample_loop, completion_logits
 
     dev = torch.device(args.device)

@@ -34,8 +34,8 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import (grpo_loss, k3_kl, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
-                              truncated_is_weights, uses_sequence_normaliser)
+from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
+from grpo_dist.losses import grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo_dist.losses import grpo_loss, k3_kl, selective_log_probs, token_entropy
+from grpo_dist.logprobs import selective_log_probs, token_entropy
+from grpo_dist.losses import grpo_loss, k3_kl
 
 pytestmark = pytest.mark.fast  # the `make fast` tier
 

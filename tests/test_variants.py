@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from grpo_dist.losses import grpo_loss, kl_estimate, selective_log_probs_and_entropy
+from grpo_dist.logprobs import selective_log_probs_and_entropy
+from grpo_dist.losses import grpo_loss, kl_estimate
 
 
 def _inputs(seed=3):
