@@ -58,23 +58,35 @@ class LossTerms:
     ratio_sum: torch.Tensor
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              normaliser: float, loss_type: str = "token_mean", ref_logp: torch.Tensor | None = None,
-              beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-              max_completion_length: int | None = None, importance_sampling_level: str = "token",
-              dual_clip_c: float | None = None, kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
-              entropy_coef: float = 0.0, is_weights: torch.Tensor | None = None) -> LossTerms:
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss's settings, fixed for a run (the trainer builds one from its config; TRL's names). The defaults
+    give plain GRPO without a KL term."""
+    loss_type: str = "token_mean"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None           # None: epsilon (symmetric clip)
+    beta: float = 0.0                           # KL coefficient; 0 when the KL is not in the loss
+    kl_estimator: str = "k3"
+    importance_sampling_level: str = "token"
+    dual_clip_c: float | None = None
+    entropy_coef: float = 0.0
+    max_completion_length: int | None = None    # dr_grpo's constant normaliser
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              normaliser: float, spec: LossSpec, ref_logp: torch.Tensor | None = None,
+              entropy: torch.Tensor | None = None, is_weights: torch.Tensor | None = None) -> LossTerms:
     """GRPO loss for one micro-batch.
 
     logp, old_logp, ref_logp, mask: [B, T]; advantages: [B].
     per-token: -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A) + beta * k3(logp, ref_logp),  r = exp(logp - old_logp)
-    options (defaults give the line above):
+    spec options (its defaults give the line above without the KL term: beta = 0):
       importance_sampling_level=sequence   r = exp(mean_t(logp - old_logp)) per sequence (GSPO)
       dual_clip_c=c (> 1)                  for A < 0 the policy term is min(that, -c * A): the ratio counts at most
                                            c times (dual-clip PPO; verl's clip_ratio_c)
       kl_estimator=k1|k2|k3                the KL term's estimator (kl_estimate)
       entropy_coef=h (with entropy [B, T]) - h * entropy is added per token (an entropy bonus), aggregated alike
-    aggregation (normaliser is the count over the whole optimizer step, all micro-batches and ranks):
+    aggregation, spec.loss_type (normaliser is the count over the whole optimizer step, all micro-batches and ranks):
       token_mean            sum(per_tok * mask) / normaliser            (normaliser = number of completion tokens)
       seq_mean_token_mean   sum_seq(sum(per_tok * mask) / len_seq) / normaliser   (normaliser = number of sequences)
       seq_mean_token_sum    sum_seq(sum(per_tok * mask)) / normaliser             (normaliser = number of sequences)
@@ -82,42 +94,43 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     is_weights ([B, T], no grad): importance weights of the sampler correction; they multiply the policy term
     (before the KL term is added), as in TRL's vLLM importance-sampling correction.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    eps_high = epsilon if epsilon_high is None else epsilon_high
+    if spec.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {spec.loss_type!r}")
+    epsilon = spec.epsilon
+    eps_high = epsilon if spec.epsilon_high is None else spec.epsilon_high
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)[:, None]
-    ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)
+    ratio = importance_ratio(logp, old_logp, mask, spec.importance_sampling_level)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_tok = -torch.minimum(unclipped, clipped)
-    if dual_clip_c is not None:  # a huge ratio on a negative advantage must not blow up the update
-        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -dual_clip_c * adv), per_tok)
+    if spec.dual_clip_c is not None:  # a huge ratio on a negative advantage must not blow up the update
+        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -spec.dual_clip_c * adv), per_tok)
     if is_weights is not None:
         per_tok = per_tok * is_weights.to(per_tok.dtype)
     pg_tok = per_tok
     kl = None
-    if beta != 0.0:
+    if spec.beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        kl = kl_estimate(logp, ref_logp, kl_estimator)
-        per_tok = per_tok + beta * kl
-    if entropy_coef != 0.0:
+        kl = kl_estimate(logp, ref_logp, spec.kl_estimator)
+        per_tok = per_tok + spec.beta * kl
+    if spec.entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
-        per_tok = per_tok - entropy_coef * entropy
+        per_tok = per_tok - spec.entropy_coef * entropy
 
     masked = per_tok * mask
-    if loss_type == "token_mean":
+    if spec.loss_type == "token_mean":
         loss = masked.sum() / normaliser
-    elif loss_type == "seq_mean_token_mean":
+    elif spec.loss_type == "seq_mean_token_mean":
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
-    elif loss_type == "seq_mean_token_sum":
+    elif spec.loss_type == "seq_mean_token_sum":
         loss = masked.sum() / normaliser
     else:
-        if not max_completion_length:
+        if not spec.max_completion_length:
             raise ValueError("loss_type dr_grpo needs max_completion_length")
-        loss = masked.sum() / (normaliser * max_completion_length)
+        loss = masked.sum() / (normaliser * spec.max_completion_length)
 
     with torch.no_grad():
         was_clipped = (clipped < unclipped).to(mask.dtype)  # the min picked the clipped branch
