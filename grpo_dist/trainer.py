@@ -8,7 +8,7 @@
       -> select rows    the rows that train, the step's loss normaliser, micro-batches of similar length
       -> log-probs      reference (KL in the loss) and old (num_iterations > 1) in no-grad passes
       -> update         token-masked clipped ratio + beta * KL, micro-batched, one optimizer step per iteration
-      -> metrics        summed over ranks by name (_step_metrics, _sampler_metrics, _reward_means)
+      -> metrics        all-reduced over ranks by name (_step_metrics, _sampler_metrics, _reward_means)
 
 Collectives happen only in the engine (FSDP forwards/backwards, clipping, checkpoints) and in a few all-reduces
 here; every rank runs the same number of forward/backward passes (micro-batch counts are agreed first, short ranks
