@@ -64,7 +64,8 @@ def main():
 
     def sampler(kind, n):
         ro.sample_from_scores = multinomial if kind == "lean+multinomial" else lean_draw
-        return ro.generate_rollouts(model, tok, prompts, refs, G, n, min_completion_length=n,
+        return ro.generate_rollouts(model, tok, prompts, refs, num_generations=G, max_completion_length=n,
+                                    min_completion_length=n,
                                     use_hf_generate=kind == "hf", lean_decoder=kind != "loop on hf forward")
 
     ids, mask = ro.tokenize_prompts(tok, prompts, 512, "cpu")

@@ -39,7 +39,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from grpo_dist.decoder import LeanDecoder, prepare_replica
-    from grpo_dist.losses import selective_log_probs
+    from grpo_dist.logprobs import selective_log_probs
     from grpo_dist.rollout import HFDecoder, RolloutBatch, _sample_loop, completion_logits
 
     dev = torch.device(args.device)
@@ -80,7 +80,8 @@ def main(argv=None):
         for _ in range(args.reps + 1):
             sync()
             t0 = time.perf_counter()
-            out = _sample_loop(decoder_factory(), prompt_ids, prompt_mask, repeats, C, 1.0, 1.0, 0, C, True, eos, 1)
+            out = _sample_loop(decoder_factory(), prompt_ids, prompt_mask, repeats, max_new_tokens=C, temperature=1.0,
+                               top_p=1.0, top_k=0, min_new_tokens=C, do_sample=True, eos_ids=eos, pad=1)
             sync()
             times.append(time.perf_counter() - t0)
         assert out.shape == (B, C)

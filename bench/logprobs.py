@@ -55,7 +55,7 @@ def inputs(rows, vocab, dtype, seed=0):
 
 def run_variant(variant, mode, rows, vocab, dtype, chunk_size, reps):
     """In this (fresh) process: returns peak MiB above the inputs, median seconds, values and grad for checking."""
-    from grpo_dist.losses import selective_log_probs
+    from grpo_dist.logprobs import selective_log_probs
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     logits0, labels, grad_out = inputs(rows, vocab, dtype)
     times, peak = [], 0.0

@@ -103,9 +103,11 @@ def apply_rollout_levers(args, trainer):
                 trainer.sync_rollout_weights()
             prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
             return generate_rollouts(
-                trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples], cfg.num_generations,
-                cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.data.max_prompt_length,
-                cfg.generation_batch_size, use_hf_generate=True,
+                trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
+                num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                max_prompt_length=cfg.data.max_prompt_length, generation_batch_size=cfg.generation_batch_size,
+                use_hf_generate=True,
                 min_completion_length=cfg.max_completion_length if args.exact_length else 0)
         trainer.rollout = rollout
 

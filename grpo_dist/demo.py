@@ -131,8 +131,8 @@ def _sft_batch(tokenizer, examples, rng: random.Random, s: BaseSettings):
 def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 4) -> float:
     from grpo_dist.rollout import generate_rollouts
     model.eval()
-    batch = generate_rollouts(model, tokenizer, [e.prompt for e in examples], [e.answer for e in examples], 1,
-                              max_new_tokens, do_sample=False)
+    batch = generate_rollouts(model, tokenizer, [e.prompt for e in examples], [e.answer for e in examples],
+                              num_generations=1, max_completion_length=max_new_tokens, do_sample=False)
     return sum(c.strip() == r for c, r in zip(batch.completions, batch.references)) / max(len(examples), 1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +95,14 @@ def all_reduce_sum(values: Sequence[float | torch.Tensor] | torch.Tensor, device
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu()
+
+
+def all_reduce_sum_named(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """all_reduce_sum of named values: one float64 vector, one collective, laid out in sorted name order (every
+    rank must pass the same names). Returns each sum by name as a 0-dim float64 tensor."""
+    names = sorted(values)
+    total = all_reduce_sum([values[k] for k in names], device)
+    return dict(zip(names, total.unbind()))
 
 
 def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -185,8 +185,9 @@ def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p, top_k, min_new_tokens, do_sample,
-                 eos_ids: torch.Tensor, pad: int, logprobs_out: list | None = None) -> torch.Tensor:
+def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 min_new_tokens: int, do_sample: bool, eos_ids: torch.Tensor, pad: int,
+                 logprobs_out: list | None = None) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
@@ -223,7 +224,7 @@ def _sample_loop(decoder, ids, mask, repeats, max_new_tokens, temperature, top_p
 
 
 @torch.no_grad()
-def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str], num_generations: int,
+def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str], *, num_generations: int,
                       max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       max_prompt_length: int = 512, generation_batch_size: int | None = None,
                       min_completion_length: int = 0, do_sample: bool = True, use_hf_generate: bool = False,
@@ -260,9 +261,10 @@ def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str
             prompt_of_row = torch.arange(s, min(s + chunk, len(ids)), device=device) // num_generations
             uniq, repeats = torch.unique_consecutive(prompt_of_row, return_counts=True)
             # .clone() outside inference mode: the ids are later inputs of forward passes that record autograd
-            pieces.append(_sample_loop(decoder, unique_ids[uniq], unique_mask[uniq], repeats, max_completion_length,
-                                       temperature, top_p, top_k, min_completion_length, do_sample, eos_ids,
-                                       pad).clone())
+            pieces.append(_sample_loop(decoder, unique_ids[uniq], unique_mask[uniq], repeats,
+                                       max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, min_new_tokens=min_completion_length, do_sample=do_sample,
+                                       eos_ids=eos_ids, pad=pad).clone())
     width = max(p.shape[1] for p in pieces)
     completion_ids = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
     row = 0

@@ -99,9 +99,10 @@ class ReplicaRolloutEngine(RolloutEngine):
             uniq, repeats = torch.unique_consecutive(torch.arange(s, min(s + chunk, rows), device=device) // n,
                                                      return_counts=True)
             steps: list[torch.Tensor] = []
-            tokens = _sample_loop(decoder, ids[uniq], mask[uniq], repeats, sampling.max_tokens, sampling.temperature,
-                                  sampling.top_p, sampling.top_k, sampling.min_tokens, not sampling.greedy, eos,
-                                  self.pad_id, logprobs_out=steps)
+            tokens = _sample_loop(decoder, ids[uniq], mask[uniq], repeats, max_new_tokens=sampling.max_tokens,
+                                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                  min_new_tokens=sampling.min_tokens, do_sample=not sampling.greedy, eos_ids=eos,
+                                  pad=self.pad_id, logprobs_out=steps)
             logprobs = torch.stack(steps, 1)
             for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
                 row_ids, row_lp = trim_at_eos(row_ids, row_lp, sampling.eos_ids)

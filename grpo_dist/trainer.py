@@ -1,11 +1,14 @@
-"""The GRPO trainer: one step, on every rank, is
+"""The GRPO trainer: one step (train_step, then learn), on every rank, is
 
     prompts (this rank's shard)
-      -> rollout     G completions per prompt from a per-rank copy of the current policy
-      -> reward      verifier scores per completion
-      -> advantage   z-score inside each group (groups never cross ranks)
-      -> log-probs   reference (beta > 0) and old (num_iterations > 1) in no-grad passes
-      -> update      token-masked clipped ratio + beta * k3 KL, micro-batched, one optimizer step per iteration
+      -> rollout        G completions per prompt from the rollout engine, on the current policy's weights
+      -> grade          the reward functions score each completion (_rollout_and_grade)
+      (dynamic sampling: rollout + grade again until enough groups have rewards that differ; _dynamic_sample)
+      -> advantage      rewards less beta * KL (kl_in_reward), z-scored inside each group (groups never cross ranks)
+      -> select rows    the rows that train, the step's loss normaliser, micro-batches of similar length
+      -> log-probs      reference (KL in the loss) and old (num_iterations > 1) in no-grad passes
+      -> update         token-masked clipped ratio + beta * KL, micro-batched, one optimizer step per iteration
+      -> metrics        all-reduced over ranks by name (_step_metrics, _sampler_metrics, _reward_means)
 
 Collectives happen only in the engine (FSDP forwards/backwards, clipping, checkpoints) and in a few all-reduces
 here; every rank runs the same number of forward/backward passes (micro-batch counts are agreed first, short ranks
@@ -34,8 +37,8 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
-from grpo_dist.losses import (grpo_loss, k3_kl, kl_estimate, selective_log_probs, selective_log_probs_and_entropy,
-                              truncated_is_weights, uses_sequence_normaliser)
+from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
+from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
@@ -111,6 +114,7 @@ class GRPOTrainer:
             if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
                 cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
+        self.loss_spec = self._loss_spec()
         self.step = 0
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
@@ -255,8 +259,9 @@ class GRPOTrainer:
         self.rollout_engine.close()
 
     def train_step(self) -> dict:
-        timer = Timer()
-        t0 = time.perf_counter()
+        """One step, the stages of the module docstring in order: rollout and grade (rounds of them with dynamic
+        sampling), learn (advantage to update, and the step's metrics), then the reward and timing metrics."""
+        timer, t0 = Timer(), time.perf_counter()
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
@@ -269,45 +274,10 @@ class GRPOTrainer:
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
-        step_time = time.perf_counter() - t0
-        metrics.update(step_time_s=step_time, **{f"time_{k}_s": v for k, v in timer.times.items()})
-        metrics["completion_tokens_per_s"] = metrics.pop("_completion_tokens") / max(timer.times["rollout"], 1e-9)
-        metrics["time_weight_sync_s"] = self.weight_sync_s  # part of time_rollout_s
+        metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
         return metrics
 
-    def _reward_means(self, per_function: dict) -> dict:
-        """reward/<name>: each function's mean over the completions of all ranks (every rank has the same functions,
-        so the all-reduce matches; a rank with no rows adds zeros)."""
-        names = list(per_function)
-        s = gdist.all_reduce_sum([float(sum(per_function[k])) for k in names] +
-                                 [float(len(next(iter(per_function.values()), [])))], self.ctx.device)
-        n = max(float(s[-1]), 1.0)
-        return {f"reward/{name}": float(s[i] / n) for i, name in enumerate(names)}
-
-    def _reward_errors(self, n_local: int) -> dict:
-        """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a
-        function failed on all of them (reward_fail_on_all_errors): that is a broken function, not a bad model."""
-        names = self.rewards.names
-        s = gdist.all_reduce_sum([self.rewards.last_errors.get(k, 0) for k in names] + [n_local], self.ctx.device)
-        total = int(s[-1])
-        for name, count in zip(names, s[:-1]):
-            if self.cfg.reward_fail_on_all_errors and total and int(count) == total:
-                raise RewardFunctionError(
-                    f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
-                    f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
-        return {f"reward_errors/{name}": int(count) for name, count in zip(names, s[:-1])}
-
-    def _log_completions(self, batch: RolloutBatch, rewards, per_function) -> None:
-        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes). The prompt
-        is decoded from the batch: the text the model was given (after any truncation), whichever round of dynamic
-        sampling the row came from."""
-        if not self.completion_log.enabled or self.last_advantages is None:
-            return
-        n = min(self.cfg.log_completions, len(batch))
-        prompts = [self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()]) for i in range(n)]
-        self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
-                                  self.last_advantages.tolist(), batch.completion_lengths.tolist())
-
+    # ----------------------------------------------------------------------- rollout, grade (dynamic sampling)
     def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
         """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
         with timer("rollout"):
@@ -320,6 +290,21 @@ class GRPOTrainer:
         self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
             if refresh is False else errors
         return batch, rewards, per_function
+
+    def _reward_errors(self, n_local: int) -> dict:
+        """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a
+        function failed on all of them (reward_fail_on_all_errors): that is a broken function, not a bad model."""
+        names = self.rewards.names
+        s = gdist.all_reduce_sum_named({**{f"errors/{k}": self.rewards.last_errors.get(k, 0) for k in names},
+                                        "completions": n_local}, self.ctx.device)
+        total = int(s["completions"])
+        counts = {name: int(s[f"errors/{name}"]) for name in names}
+        for name, count in counts.items():
+            if self.cfg.reward_fail_on_all_errors and total and count == total:
+                raise RewardFunctionError(
+                    f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
+                    f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
+        return {f"reward_errors/{name}": count for name, count in counts.items()}
 
     def _dynamic_sample(self, timer: Timer):
         """DAPO dynamic sampling: rounds of prompts_per_rank prompts per rank, keeping only groups whose rewards
@@ -376,101 +361,206 @@ class GRPOTrainer:
             raise RuntimeError(f"the {self.rollout_engine.name} rollout engine did not take every weight")
         self.weight_sync_s = time.perf_counter() - t0
 
-    # ---------------------------------------------------------------------------------------------- the update
+    # ------------------------------------------------------------------- advantage, select rows, log-probs, update
     def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
               correct: torch.Tensor | None = None) -> dict:
-        """Advantages, log-probs and the policy update for one rollout batch (this rank's rows). Also the entry
-        point for tests that inject fixed rollouts."""
-        cfg, dev = self.cfg, self.ctx.device
+        """The stages after grading, on one rollout batch (this rank's rows): advantage, select rows, log-probs,
+        update, metrics. Also the entry point for tests that inject fixed rollouts. correct: the rows the verifier
+        gave full marks (default: reward >= 1)."""
         timer = timer or Timer()
-        batch = batch.to(dev)
-        G = cfg.num_generations
-        raw_rewards = rewards
+        batch = batch.to(self.ctx.device)
         with timer("logprobs"):
-            rewards, reward_kl_sum = self._kl_shaped_rewards(batch, rewards)
+            shaped, reward_kl = self._kl_shaped_rewards(batch, rewards)
+        advantages, flat_groups = self._advantages(shaped)
+        rows = self._select_rows(batch, flat_groups)
+        normaliser = self._step_normaliser(batch, rows)
+        micro = self._plan_micro_batches(batch, rows)
+        with timer("logprobs"):
+            ref_logps, old_logps = self._reference_and_old_logps(batch, micro)
+        with timer("update"):
+            sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl)
+        self.step += 1
+        correct = rewards >= 1.0 if correct is None else correct
+        metrics = self._step_metrics(batch, rewards, correct, flat_groups, rows, sums, grad_norms)
+        metrics.update(self._sampler_metrics(sums, batch, rows))
+        return metrics
 
-        # Advantages (groups are rank-local; the batch std, when used, is global).
-        batch_std = None
-        if cfg.scale_rewards == "batch":
-            s = gdist.all_reduce_sum([rewards.sum(), (rewards.double() ** 2).sum(), len(rewards)], dev)
-            mean = s[0] / s[2]
-            batch_std = float(torch.sqrt((s[1] - s[2] * mean ** 2).clamp(min=0) / (s[2] - 1).clamp(min=1)))
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std).to(dev)
+    # advantage
+    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
+        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
+        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
+        cfg = self.cfg
+        if not (cfg.kl_in_reward and self.ref_model is not None):
+            return rewards, 0.0
+        dev = self.ctx.device
+        micro = self._micro_batches(list(range(len(batch))))
+        ref = self._score(self.ref_model, batch, micro)
+        pol = self._score(self.engine.module, batch, micro)
+        seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
+        for idx, r, p in zip(micro, ref, pol):
+            if idx:
+                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
+                seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
+        shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
+        return shaped, float(seq_kl.sum())
+
+    def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages of this rank's rows, which groups are flat: all rewards equal). Groups are rank-local; with
+        scale_rewards=batch the std is over every rank's rewards."""
+        G, scale = self.cfg.num_generations, self.cfg.scale_rewards
+        batch_std = self._batch_reward_std(rewards) if scale == "batch" else None
+        advantages = group_advantages(rewards, G, scale, batch_std).to(self.ctx.device)
         self.last_advantages = advantages.detach().cpu()
-        flat_groups = zero_advantage_groups(rewards, G)
+        return advantages, zero_advantage_groups(rewards, G)
 
+    def _batch_reward_std(self, rewards: torch.Tensor) -> float:
+        """The sample std of the rewards of all ranks (one all-reduce)."""
+        s = gdist.all_reduce_sum_named({"sum": rewards.sum(), "sum_sq": (rewards.double() ** 2).sum(),
+                                        "n": len(rewards)}, self.ctx.device)
+        mean = s["sum"] / s["n"]
+        return float(torch.sqrt((s["sum_sq"] - s["n"] * mean ** 2).clamp(min=0) / (s["n"] - 1).clamp(min=1)))
+
+    # select rows
+    def _select_rows(self, batch: RolloutBatch, flat_groups: torch.Tensor) -> list[int]:
+        """The rows that train: all, less flat groups (skip_zero_advantage_groups) and cut-off completions
+        (mask_truncated_completions: out of the loss and its normaliser; their group statistics stand)."""
+        cfg, G = self.cfg, self.cfg.num_generations
         rows = list(range(len(batch)))
         if cfg.skip_zero_advantage_groups:
             rows = [i for i in rows if not flat_groups[i // G]]
-        if cfg.mask_truncated_completions:  # out of the loss and its normaliser; their group statistics stand
+        if cfg.mask_truncated_completions:
             truncated = cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer))
             rows = [i for i in rows if not truncated[i]]
+        return rows
+
+    def _step_normaliser(self, batch: RolloutBatch, rows: list[int]) -> float:
+        """The loss's divisor for the whole optimizer step, over all micro-batches and ranks (one all-reduce): the
+        trained sequences or tokens, as loss_type says. 0 when no rank trains a row."""
         lengths = batch.completion_lengths
-        # Normaliser of the whole optimizer step, over all micro-batches and ranks.
-        local_norm = float(len(rows)) if uses_sequence_normaliser(cfg.loss_type) else float(lengths[rows].sum())
-        normaliser = float(gdist.all_reduce_sum([local_norm], dev)[0])
+        local = float(len(rows)) if uses_sequence_normaliser(self.cfg.loss_type) else float(lengths[rows].sum())
+        return float(gdist.all_reduce_sum([local], self.ctx.device)[0])
 
-        # Micro-batches of similar lengths (less padding); every rank runs the same number of them.
-        order = sorted(rows, key=lambda i: int(lengths[i]) + int(batch.prompt_mask[i].sum()))
-        micro = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
-        n_micro = int(gdist.all_reduce_max([len(micro)], dev)[0])
-        micro += [[] for _ in range(n_micro - len(micro))]
+    def _plan_micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """The rows in micro-batches of similar lengths (less padding)."""
+        lengths = batch.completion_lengths
+        return self._micro_batches(sorted(rows, key=lambda i: int(lengths[i]) + int(batch.prompt_mask[i].sum())))
 
-        with timer("logprobs"):
-            ref_logp = self._score(self.ref_model, batch, micro) if self._kl_in_loss() else None
-            old_logp = self._score(self.engine.module, batch, micro) if cfg.num_iterations > 1 else None
+    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
+        """rows in micro_batch_size slices, then empty ones up to the count of the rank with the most (one
+        all-reduce): every rank runs the same number of passes."""
+        size = self.cfg.micro_batch_size
+        micro = [rows[i:i + size] for i in range(0, len(rows), size)]
+        n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
+        return micro + [[] for _ in range(n_micro - len(micro))]
 
-        # Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
-        # and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1).
-        sums = dict(loss=0.0, pg=0.0, kl=reward_kl_sum, clipped=0.0, ratio=0.0, entropy=0.0,
-                    trained_tokens=float(lengths[rows].sum()),
+    # log-probs
+    def _reference_and_old_logps(self, batch: RolloutBatch, micro: list[list[int]]) -> tuple[list, list]:
+        """Per micro-batch, the no-grad log-probs of the reference (KL in the loss) and of the policy before the
+        update (num_iterations > 1); None where not run (with one iteration the training pass's own detached
+        log-probs are the old ones)."""
+        unused = [None] * len(micro)
+        ref = self._score(self.ref_model, batch, micro) if self._kl_in_loss() else unused
+        old = self._score(self.engine.module, batch, micro) if self.cfg.num_iterations > 1 else unused
+        return ref, old
+
+    def _kl_in_loss(self) -> bool:
+        return self.ref_model is not None and not self.cfg.kl_in_reward
+
+    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
+        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
+        micro-batch."""
+        out: list = []
+        with torch.no_grad():
+            for idx in micro:
+                if not idx:
+                    model(**self._empty_inputs())  # keep the FSDP all-gathers in step with other ranks
+                    out.append(None)
+                    continue
+                mb = batch.rows(idx)
+                logits = completion_logits(model, mb)
+                out.append(selective_log_probs(logits, mb.completion_ids, self.cfg.logprob_chunk_size,
+                                               self.cfg.temperature))
+        return out
+
+    # update
+    def _update(self, batch: RolloutBatch, micro: list[list[int]], advantages: torch.Tensor, normaliser: float,
+                ref_logps: list, old_logps: list, reward_kl: float) -> tuple[dict, list[float]]:
+        """num_iterations optimizer steps, each over every planned micro-batch (an empty one runs a zero-loss pass).
+        An iteration's step is skipped on every rank when any rank's loss was not finite, or no rank trains a row;
+        too many skipped steps in a row stop the run. Returns the metric sums and each iteration's grad norm.
+
+        Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
+        and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The
+        kl sum starts from the reward's KL (kl_in_reward)."""
+        cfg = self.cfg
+        sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
                     sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0)
         grad_norms, applied = [], 0
-        with timer("update"):
-            for it in range(cfg.num_iterations):
-                nonfinite_local = False
-                for mb_index, idx in enumerate(micro):
-                    if not idx:
-                        self._empty_backward()
-                        continue
-                    mb = batch.rows(idx)
-                    logits = completion_logits(self.engine.module, mb)
-                    logp, entropy = self._logp_and_entropy(logits, mb, it == 0)
-                    if it == 0:
-                        sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
-                    c = logp.shape[1]
-                    old = old_logp[mb_index][:, :c] if old_logp is not None else logp.detach()
-                    ref = ref_logp[mb_index][:, :c] if ref_logp is not None else None
-                    is_weights = self._sampler_terms(mb, old, sums if it == 0 else None)
-                    terms = grpo_loss(logp, old, advantages[idx], mb.completion_mask, max(normaliser, 1.0),
-                                      cfg.loss_type, ref, cfg.beta if self._kl_in_loss() else 0.0, cfg.epsilon,
-                                      cfg.epsilon_high, cfg.max_completion_length, cfg.importance_sampling_level,
-                                      cfg.dual_clip_c, cfg.kl_estimator, entropy, cfg.entropy_coef, is_weights)
-                    # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
-                    loss = terms.loss * self.ctx.world_size
-                    if faults.inject("nan", self.step + 1, self.ctx.rank):
-                        loss = loss * float("nan")
-                    nonfinite_local |= not bool(torch.isfinite(loss.detach()))
-                    self.engine.backward(loss)
-                    if it == 0:
-                        sums["loss"] += float(terms.loss.detach())
-                        sums["pg"] += float(terms.pg_sum)
-                        sums["kl"] += float(terms.kl_sum)
-                    sums["clipped"] += float(terms.clipped_sum)
-                    sums["ratio"] += float(terms.ratio_sum)
-                    del logits, logp, terms, loss
-                faults.inject("kill", self.step + 1, self.ctx.rank)
-                skip = gdist.any_rank(nonfinite_local, dev) or normaliser == 0
-                result = self.engine.step(skip=skip)
-                grad_norms.append(result.grad_norm)
-                applied += int(result.applied)
+        for it in range(cfg.num_iterations):
+            finite = True
+            for idx, ref, old in zip(micro, ref_logps, old_logps):
+                if idx:
+                    finite &= self._train_micro_batch(batch.rows(idx), advantages[idx], normaliser, ref, old, it, sums)
+                else:
+                    self._empty_backward()
+            faults.inject("kill", self.step + 1, self.ctx.rank)
+            skip = gdist.any_rank(not finite, self.ctx.device) or normaliser == 0
+            result = self.engine.step(skip=skip)
+            grad_norms.append(result.grad_norm)
+            applied += int(result.applied)
         if normaliser > 0:
             self._track_nonfinite(applied == cfg.num_iterations)
-        self.step += 1
-        correct = raw_rewards >= 1.0 if correct is None else correct
-        metrics = self._step_metrics(batch, raw_rewards, correct, flat_groups, sums, grad_norms)
-        metrics.update(self._sampler_metrics(sums, batch, rows))
-        return metrics
+        return sums, grad_norms
+
+    def _train_micro_batch(self, mb: RolloutBatch, advantages: torch.Tensor, normaliser: float,
+                           ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, it: int, sums: dict) -> bool:
+        """Forward, loss and backward of one micro-batch at iteration `it`; its metric terms are added to sums.
+        Returns whether its loss was finite."""
+        first = it == 0
+        logits = completion_logits(self.engine.module, mb)
+        logp, entropy = self._logp_and_entropy(logits, mb, first)
+        if first:
+            sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
+        c = logp.shape[1]
+        old = old_logp[:, :c] if old_logp is not None else logp.detach()
+        ref = ref_logp[:, :c] if ref_logp is not None else None
+        is_weights = self._sampler_terms(mb, old, sums if first else None)
+        terms = grpo_loss(logp, old, advantages, mb.completion_mask, normaliser=max(normaliser, 1.0),
+                          spec=self.loss_spec, ref_logp=ref, entropy=entropy, is_weights=is_weights)
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+        loss = terms.loss * self.ctx.world_size
+        if faults.inject("nan", self.step + 1, self.ctx.rank):
+            loss = loss * float("nan")
+        finite = bool(torch.isfinite(loss.detach()))
+        self.engine.backward(loss)
+        if first:
+            sums["loss"] += float(terms.loss.detach())
+            sums["pg"] += float(terms.pg_sum)
+            sums["kl"] += float(terms.kl_sum)
+        sums["clipped"] += float(terms.clipped_sum)
+        sums["ratio"] += float(terms.ratio_sum)
+        return finite
+
+    def _loss_spec(self) -> LossSpec:
+        """The loss's settings from the config; beta is 0 unless the KL term is in the loss."""
+        cfg = self.cfg
+        return LossSpec(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta if self._kl_in_loss() else 0.0, kl_estimator=cfg.kl_estimator,
+                        importance_sampling_level=cfg.importance_sampling_level, dual_clip_c=cfg.dual_clip_c,
+                        entropy_coef=cfg.entropy_coef, max_completion_length=cfg.max_completion_length)
+
+    def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
+        """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
+        metric (first iteration only; None otherwise)."""
+        cfg = self.cfg
+        if cfg.entropy_coef != 0.0:
+            return selective_log_probs_and_entropy(logits, mb.completion_ids, cfg.logprob_chunk_size,
+                                                   cfg.temperature, overwrite_logits=True)
+        entropy = torch.empty(mb.completion_ids.shape, device=logits.device) if want_entropy else None
+        logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
+                                   overwrite_logits=True, entropy_out=entropy)
+        return logp, entropy
 
     @torch.no_grad()
     def _sampler_terms(self, mb: RolloutBatch, old: torch.Tensor, sums: dict | None) -> torch.Tensor | None:
@@ -492,72 +582,6 @@ class GRPOTrainer:
             if weights is not None:
                 sums["is_weight"] += float((weights * mask).sum())
         return weights
-
-    def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
-        """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
-        trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
-        tokens = float(batch.completion_mask[rows].sum()) if rows else 0.0
-        s = gdist.all_reduce_sum([sums["sampler_diff"], sums["sampler_kl"], sums["is_weight"], tokens],
-                                 self.ctx.device)
-        tok = max(float(s[3]), 1.0)
-        out = {"sampler_logprob_diff": float(s[0] / tok), "sampler_kl": float(s[1] / tok)}
-        if self.cfg.sampler_correction != "none":
-            out["is_weight_mean"] = float(s[2] / tok)
-        return out
-
-    # ------------------------------------------------------------------------------------ algorithm options
-    def _kl_in_loss(self) -> bool:
-        return self.ref_model is not None and not self.cfg.kl_in_reward
-
-    def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
-        """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
-        metric (first iteration only; None otherwise)."""
-        cfg = self.cfg
-        if cfg.entropy_coef != 0.0:
-            return selective_log_probs_and_entropy(logits, mb.completion_ids, cfg.logprob_chunk_size,
-                                                   cfg.temperature, overwrite_logits=True)
-        entropy = torch.empty(mb.completion_ids.shape, device=logits.device) if want_entropy else None
-        logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
-                                   overwrite_logits=True, entropy_out=entropy)
-        return logp, entropy
-
-    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
-        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
-        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
-        cfg = self.cfg
-        if not (cfg.kl_in_reward and self.ref_model is not None):
-            return rewards, 0.0
-        dev = self.ctx.device
-        rows = list(range(len(batch)))
-        micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
-        n_micro = int(gdist.all_reduce_max([len(micro)], dev)[0])
-        micro += [[] for _ in range(n_micro - len(micro))]
-        ref = self._score(self.ref_model, batch, micro)
-        pol = self._score(self.engine.module, batch, micro)
-        seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
-        for idx, r, p in zip(micro, ref, pol):
-            if idx:
-                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
-                seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
-        shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
-        return shaped, float(seq_kl.sum())
-
-    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
-        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
-        micro-batch."""
-        out: list = []
-        with torch.no_grad():
-            for idx in micro:
-                if not idx:
-                    model(**self._empty_inputs())  # keep the FSDP all-gathers in step with other ranks
-                    out.append(None)
-                    continue
-                mb = batch.rows(idx)
-                logits = completion_logits(model, mb)
-                out.append(selective_log_probs(logits, mb.completion_ids, self.cfg.logprob_chunk_size,
-                                               self.cfg.temperature))
-        return out
 
     def _empty_inputs(self) -> dict:
         pad = self.tokenizer.pad_token_id
@@ -587,42 +611,82 @@ class GRPOTrainer:
             return ""
         return ", or train in full precision: distributed.mixed_precision=null"
 
-    def _step_metrics(self, batch, rewards, correct, flat_groups, sums, grad_norms) -> dict:
+    # ------------------------------------------------------------------------------------------------ metrics
+    def _step_metrics(self, batch, rewards, correct, flat_groups, rows, sums, grad_norms) -> dict:
+        """The step's metrics over all ranks (one all-reduce of sums by name, one of the longest completion)."""
         dev = self.ctx.device
         lengths = batch.completion_lengths.double().cpu()
-        tokens = float(lengths.sum())
-        correct = float(correct.sum())
-        s = gdist.all_reduce_sum([
-            float(rewards.sum()), float((rewards.double() ** 2).sum()), len(rewards), correct, tokens,
-            float(flat_groups.sum()), len(flat_groups), sums["loss"], sums["pg"], sums["kl"], sums["clipped"],
-            sums["ratio"], sums["entropy"], float((lengths >= self.cfg.max_completion_length).sum()),
-            float(batch.prompt_mask.sum()), sums["trained_tokens"]], dev)
+        s = gdist.all_reduce_sum_named({
+            "reward": float(rewards.sum()), "reward_sq": float((rewards.double() ** 2).sum()), "rows": len(rewards),
+            "correct": float(correct.sum()), "completion_tokens": float(lengths.sum()),
+            "flat_groups": float(flat_groups.sum()), "groups": len(flat_groups),
+            "truncated": float((lengths >= self.cfg.max_completion_length).sum()),
+            "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
+            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
-        n, tok = s[2], max(float(s[15]), 1.0)  # tokens trained, all ranks
+        n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations
-        mean = float(s[0] / n)
+        mean = float(s["reward"] / n)
         return {
             "step": self.step,
             "reward_mean": mean,
-            "reward_std": float(torch.sqrt((s[1] / n - mean ** 2).clamp(min=0))),
-            "accuracy": float(s[3] / n),
-            "completion_length_mean": float(s[4] / n),
+            "reward_std": float(torch.sqrt((s["reward_sq"] / n - mean ** 2).clamp(min=0))),
+            "accuracy": float(s["correct"] / n),
+            "completion_length_mean": float(s["completion_tokens"] / n),
             "completion_length_max": float(mx[0]),
-            "truncated_fraction": float(s[13] / n),
-            "prompt_length_mean": float(s[14] / n),  # with completion_length_mean: the length ratio (README)
-            "zero_advantage_fraction": float(s[5] / s[6]),
-            "loss": float(s[7]),
-            "policy_loss": float(s[8] / tok),
-            "kl": float(s[9] / tok),
-            "clip_fraction": float(s[10] / tok_iters),
-            "ratio_mean": float(s[11] / tok_iters),
-            "entropy": float(s[12] / tok),
+            "truncated_fraction": float(s["truncated"] / n),
+            "prompt_length_mean": float(s["prompt_tokens"] / n),  # with completion_length_mean: the length ratio
+            "zero_advantage_fraction": float(s["flat_groups"] / s["groups"]),
+            "loss": float(s["loss"]),
+            "policy_loss": float(s["pg"] / tok),
+            "kl": float(s["kl"] / tok),
+            "clip_fraction": float(s["clipped"] / tok_iters),
+            "ratio_mean": float(s["ratio"] / tok_iters),
+            "entropy": float(s["entropy"] / tok),
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),
             "skipped_steps": self.nonfinite_steps,
             "epoch": self.sampler.epoch,
-            "_completion_tokens": float(s[4]) / self.ctx.world_size,  # per rank, for tokens/s of this rank
+            "_completion_tokens": float(s["completion_tokens"]) / self.ctx.world_size,  # per rank, for tokens/s
         }
+
+    def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
+        """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
+        trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
+        tokens = float(batch.completion_mask[rows].sum()) if rows else 0.0
+        s = gdist.all_reduce_sum_named({"sampler_diff": sums["sampler_diff"], "sampler_kl": sums["sampler_kl"],
+                                        "is_weight": sums["is_weight"], "tokens": tokens}, self.ctx.device)
+        tok = max(float(s["tokens"]), 1.0)
+        out = {"sampler_logprob_diff": float(s["sampler_diff"] / tok), "sampler_kl": float(s["sampler_kl"] / tok)}
+        if self.cfg.sampler_correction != "none":
+            out["is_weight_mean"] = float(s["is_weight"] / tok)
+        return out
+
+    def _reward_means(self, per_function: dict) -> dict:
+        """reward/<name>: each function's mean over the completions of all ranks (every rank has the same functions,
+        so the all-reduce matches; a rank with no rows adds zeros)."""
+        rows = float(len(next(iter(per_function.values()), [])))
+        s = gdist.all_reduce_sum_named({**{f"sum/{k}": float(sum(v)) for k, v in per_function.items()}, "rows": rows},
+                                       self.ctx.device)
+        n = max(float(s["rows"]), 1.0)
+        return {f"reward/{name}": float(s[f"sum/{name}"] / n) for name in per_function}
+
+    def _timing_metrics(self, timer: Timer, t0: float, completion_tokens: float) -> dict:
+        """step_time_s, time_<stage>_s, this rank's sampling throughput and the weight sync's part of the rollout."""
+        return {"step_time_s": time.perf_counter() - t0, **{f"time_{k}_s": v for k, v in timer.times.items()},
+                "completion_tokens_per_s": completion_tokens / max(timer.times["rollout"], 1e-9),
+                "time_weight_sync_s": self.weight_sync_s}  # part of time_rollout_s
+
+    def _log_completions(self, batch: RolloutBatch, rewards, per_function) -> None:
+        """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes). The prompt
+        is decoded from the batch: the text the model was given (after any truncation), whichever round of dynamic
+        sampling the row came from."""
+        if not self.completion_log.enabled or self.last_advantages is None:
+            return
+        n = min(self.cfg.log_completions, len(batch))
+        prompts = [self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()]) for i in range(n)]
+        self.completion_log.write(self.step, prompts, batch.completions, batch.references, rewards, per_function,
+                                  self.last_advantages.tolist(), batch.completion_lengths.tolist())
 
     # ------------------------------------------------------------------------------------------ evaluation, save
     def evaluate(self) -> dict:

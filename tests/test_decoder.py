@@ -168,7 +168,8 @@ def test_unsupported_models_are_named_and_fall_back():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tok)))
     assert "gpt2" in lean_decoder_unsupported(gpt2, 100)
     assert not prepare_replica(gpt2)
-    out = generate_rollouts(gpt2.eval(), tok, ["1+2=", "3+4="], ["3", "7"], 2, 4, do_sample=False)
+    out = generate_rollouts(gpt2.eval(), tok, ["1+2=", "3+4="], ["3", "7"], num_generations=2,
+                            max_completion_length=4, do_sample=False)
     assert out.completion_ids.shape[0] == 4
 
 

@@ -76,7 +76,7 @@ def test_evaluation_generates_in_the_compute_dtype_on_gpus():
 
 
 def test_logprob_chunk_rows_fit_the_device():
-    from grpo_dist.losses import _rows_per_chunk
+    from grpo_dist.logprobs import _rows_per_chunk
     vocab = 151_936
     assert _rows_per_chunk(None, vocab, torch.device("cpu")) == (1 << 22) // vocab == 27   # as before on a CPU
     assert _rows_per_chunk(None, vocab, torch.device("cuda", 0)) == (1 << 27) // vocab == 883

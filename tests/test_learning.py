@@ -64,8 +64,8 @@ def _held_out_accuracy(model_dir: Path) -> float:
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, tok).eval()
     ex = load_examples(cfg.data, "eval")
-    b = generate_rollouts(model, tok, [e.prompt for e in ex], [e.answer for e in ex], 1, cfg.max_completion_length,
-                          do_sample=False)
+    b = generate_rollouts(model, tok, [e.prompt for e in ex], [e.answer for e in ex], num_generations=1,
+                          max_completion_length=cfg.max_completion_length, do_sample=False)
     return sum(number_match(c, r) for c, r in zip(b.completions, b.references)) / len(ex)
 
 

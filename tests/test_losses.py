@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo_dist.losses import grpo_loss, k3_kl, selective_log_probs, token_entropy
+from grpo_dist.logprobs import selective_log_probs, token_entropy
+from grpo_dist.losses import LossSpec, grpo_loss, k3_kl
 
 pytestmark = pytest.mark.fast  # the `make fast` tier
 
@@ -101,7 +102,8 @@ def test_grpo_loss_matches_formula(loss_type):
         expected = sum(map(sum, per_tok)) / norm
     else:
         expected = sum(map(sum, per_tok)) / (norm * 10)
-    terms = grpo_loss(logp, old, adv, mask, norm, loss_type, ref, beta, lo, hi, max_completion_length=10)
+    spec = LossSpec(loss_type=loss_type, beta=beta, epsilon=lo, epsilon_high=hi, max_completion_length=10)
+    terms = grpo_loss(logp, old, adv, mask, normaliser=norm, spec=spec, ref_logp=ref)
     assert abs(terms.loss.item() - expected) < 1e-10
     # clip fraction counts the tokens where the clipped branch won
     ratio = torch.exp(logp - old)
@@ -115,7 +117,7 @@ def test_padding_does_not_leak_into_loss_or_grads():
     old = torch.zeros(1, 4)
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     poisoned_ref = torch.tensor([[0.0, 0.0, 50.0, -50.0]])  # garbage only where the mask is 0
-    t = grpo_loss(logp, old, torch.tensor([1.0]), mask, 2.0, "token_mean", poisoned_ref, beta=0.1)
+    t = grpo_loss(logp, old, torch.tensor([1.0]), mask, normaliser=2.0, spec=LossSpec(beta=0.1), ref_logp=poisoned_ref)
     t.loss.backward()
     assert torch.isfinite(t.loss)
     assert logp.grad[0, 2:].abs().sum() == 0
@@ -131,7 +133,7 @@ def test_k3_is_nonnegative_and_zero_at_equality():
 def test_ratio_one_gradient_is_advantage_weighted():
     """num_iterations=1: old = logp.detach(), so the ratio is 1 in value but d/dlogp = A (per token / normaliser)."""
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    t = grpo_loss(logp, logp.detach(), torch.tensor([0.5]), torch.ones(1, 2), 2.0)
+    t = grpo_loss(logp, logp.detach(), torch.tensor([0.5]), torch.ones(1, 2), normaliser=2.0, spec=LossSpec())
     t.loss.backward()
     assert t.loss.item() == pytest.approx(-0.5)
     assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25]]))

@@ -82,7 +82,7 @@ def test_sampling_is_reproducible_and_respects_min_length():
 
 
 def test_chunked_log_probs_equal_naive_values_and_grads_also_when_overwriting_logits():
-    import grpo_dist.losses as L
+    import grpo_dist.logprobs as L
     g = torch.Generator().manual_seed(1)
     rows, vocab = 37, 30000  # CHUNK_ELEMENTS // vocab = 139 rows per chunk: force several chunks below
     logits0 = torch.randn(rows, vocab, generator=g) * 3

@@ -33,7 +33,7 @@ def real(smollm2_dir):
 @pytest.mark.slow
 def test_lean_decoder_greedy_equals_generate_and_scoring_equals_plain_forward(real, one_thread):
     from grpo_dist.decoder import lean_decoder_unsupported
-    from grpo_dist.losses import selective_log_probs
+    from grpo_dist.logprobs import selective_log_probs
     from grpo_dist.rollout import completion_logits, generate_rollouts
     tok, model, prompts = real
     assert lean_decoder_unsupported(model, 512) is None  # the lean path really runs

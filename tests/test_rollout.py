@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_dist.config import ModelConfig
-from grpo_dist.losses import selective_log_probs
+from grpo_dist.logprobs import selective_log_probs
 from grpo_dist.models import load_model, load_tokenizer
 from grpo_dist.rollout import completion_logits, completion_mask_from_ids, generate_rollouts
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from grpo_dist.losses import grpo_loss, truncated_is_weights
+from grpo_dist.losses import LossSpec, grpo_loss, truncated_is_weights
 
 from dist_utils import run_ranks
 
@@ -37,8 +37,9 @@ def test_truncated_is_weights_match_the_formula_on_random_inputs():
     # the weights multiply the policy term only, not the KL term: loss = sum(mask * (w * pg + beta * k3)) / N
     logp = old + 0.1 * torch.randn(4, 7, generator=g)
     ref, adv = old - 0.2, torch.randn(4, generator=g)
-    plain = grpo_loss(logp, old, adv, mask, 10.0, ref_logp=ref, beta=0.1)
-    weighted = grpo_loss(logp, old, adv, mask, 10.0, ref_logp=ref, beta=0.1, is_weights=token)
+    spec = LossSpec(beta=0.1)
+    plain = grpo_loss(logp, old, adv, mask, normaliser=10.0, spec=spec, ref_logp=ref)
+    weighted = grpo_loss(logp, old, adv, mask, normaliser=10.0, spec=spec, ref_logp=ref, is_weights=token)
     ratio = torch.exp(logp - old)
     pg = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
     k3 = torch.exp(ref - logp) - (ref - logp) - 1

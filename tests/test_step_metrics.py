@@ -24,10 +24,11 @@ def _record_loss_inputs(monkeypatch):
     import grpo_dist.trainer as trainer_mod
     calls, real = [], trainer_mod.grpo_loss
 
-    def recording(logp, old, adv, mask, *args, **kwargs):
+    def recording(logp, old, adv, mask, **kwargs):
+        ref = kwargs.get("ref_logp")
         calls.append(dict(logp=logp.detach().clone(), old=old.detach().clone(), adv=adv.clone(), mask=mask.clone(),
-                          ref=args[2].clone() if args[2] is not None else None))
-        return real(logp, old, adv, mask, *args, **kwargs)
+                          ref=ref.clone() if ref is not None else None))
+        return real(logp, old, adv, mask, **kwargs)
     monkeypatch.setattr(trainer_mod, "grpo_loss", recording)
     return calls
 

@@ -48,7 +48,7 @@ def _uneven_run(rank, world_size, out_dir, skip_zero):
         trainer.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
         return generate_rollouts(trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
-                                 cfg.num_generations, cfg.max_completion_length,
+                                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
                                  logits_processor=LogitsProcessorList([force]))
 
     trainer.rollout = rollout

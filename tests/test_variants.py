@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from grpo_dist.losses import grpo_loss, kl_estimate, selective_log_probs_and_entropy
+from grpo_dist.logprobs import selective_log_probs_and_entropy
+from grpo_dist.losses import LossSpec, grpo_loss, kl_estimate
 
 
 def _inputs(seed=3):
@@ -66,11 +67,12 @@ def test_grpo_loss_variants_match_formula(case):
     norm, beta, lo, hi = 9.0, 0.04, 0.2, 0.28
     expected = _expected(logp.numpy(), old.numpy(), ref.numpy(), adv.numpy(), mask.numpy(), beta, lo, hi,
                          **case) / norm
-    terms = grpo_loss(logp, old, adv, mask, norm, "token_mean", ref, beta, lo, hi,
-                      importance_sampling_level=case.get("level", "token"), dual_clip_c=case.get("c"),
-                      kl_estimator=case.get("est", "k3"))
+    spec = LossSpec(beta=beta, epsilon=lo, epsilon_high=hi, importance_sampling_level=case.get("level", "token"),
+                    dual_clip_c=case.get("c"), kl_estimator=case.get("est", "k3"))
+    terms = grpo_loss(logp, old, adv, mask, normaliser=norm, spec=spec, ref_logp=ref)
     assert abs(terms.loss.item() - expected) < 1e-12
-    plain = grpo_loss(logp, old, adv, mask, norm, "token_mean", ref, beta, lo, hi)
+    plain = grpo_loss(logp, old, adv, mask, normaliser=norm, spec=LossSpec(beta=beta, epsilon=lo, epsilon_high=hi),
+                      ref_logp=ref)
     assert abs(plain.loss.item() - expected) > 1e-6, "the option must change this loss (inputs too tame?)"
 
 
@@ -79,7 +81,8 @@ def test_sequence_ratio_gradient_is_the_sequence_mean():
     logp, old, _, _, mask = _inputs()
     logp.requires_grad_(True)
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
-    t = grpo_loss(logp, old, adv, mask, 1.0, "token_mean", epsilon=10.0, importance_sampling_level="sequence")
+    t = grpo_loss(logp, old, adv, mask, normaliser=1.0,
+                  spec=LossSpec(epsilon=10.0, importance_sampling_level="sequence"))
     t.loss.backward()
     n = mask.sum(-1, keepdim=True)
     seq_ratio = torch.exp(((logp - old) * mask).sum(-1, keepdim=True) / n).detach()
@@ -96,7 +99,7 @@ def test_entropy_bonus_value_and_gradient():
     adv = torch.tensor([0.5, -1.0, 0.3], dtype=torch.float64)
     temp, h, norm = 0.8, 0.01, float(mask.sum())
     logp, ent = selective_log_probs_and_entropy(logits, labels, chunk_size=4, temperature=temp)
-    terms = grpo_loss(logp, logp.detach(), adv, mask, norm, entropy=ent, entropy_coef=h)
+    terms = grpo_loss(logp, logp.detach(), adv, mask, normaliser=norm, spec=LossSpec(entropy_coef=h), entropy=ent)
     # written out: log-softmax and entropy of logits / temp, the policy term at ratio 1, the bonus subtracted
     z = logits / temp
     lsm = z - torch.logsumexp(z, -1, keepdim=True)
@@ -108,7 +111,8 @@ def test_entropy_bonus_value_and_gradient():
     g2, = torch.autograd.grad(ref_loss, logits)
     assert torch.allclose(g1, g2, atol=1e-7)
     plain_logp, _ = selective_log_probs_and_entropy(logits, labels, 4, temp)
-    g0, = torch.autograd.grad(grpo_loss(plain_logp, plain_logp.detach(), adv, mask, norm).loss, logits)
+    plain = grpo_loss(plain_logp, plain_logp.detach(), adv, mask, normaliser=norm, spec=LossSpec())
+    g0, = torch.autograd.grad(plain.loss, logits)
     assert (g1 - g0).abs().max() > 1e-6, "the bonus must change the gradient"
 
 

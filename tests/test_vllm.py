@@ -43,7 +43,7 @@ def _sync_and_parity(rank, world, model_dir, out):
     from grpo_dist.decoder import prepare_replica
     from grpo_dist.distributed import init_distributed
     from grpo_dist.engines import copy_named_weights
-    from grpo_dist.losses import selective_log_probs
+    from grpo_dist.logprobs import selective_log_probs
     from grpo_dist.models import load_model
     from grpo_dist.rollout import completion_logits
     from grpo_dist.rollout_engines import ReplicaRolloutEngine, generate_batch, prompt_token_ids
