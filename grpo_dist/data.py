@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from grpo_dist.config import DataConfig
-from grpo_dist.rewards.math import last_boxed  # one extractor for references and completions
+from grpo_dist.rewards.extract import last_boxed  # one extractor for references and completions
 
 
 class DataError(ValueError):

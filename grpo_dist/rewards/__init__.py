@@ -1,7 +1,8 @@
 """Reward functions for RLVR and the bounded batch grader the trainer uses.
 
 ``math_reward`` / ``extract_answer`` grade math answers (see
-:mod:`grpo_dist.rewards.math`); ``RewardComputer`` grades batches in worker
+:mod:`grpo_dist.rewards.math`; the answer is found in the text by the sympy-free
+:mod:`grpo_dist.rewards.extract`, which the data loader uses for references); ``RewardComputer`` grades batches in worker
 processes with a hard per-item time limit (see :mod:`grpo_dist.rewards.grading`);
 ``resolve_reward_function`` turns a ``"module:function"`` spec into a callable;
 ``digit_overlap`` is a partial-credit shaping reward (:mod:`grpo_dist.rewards.shaping`).
