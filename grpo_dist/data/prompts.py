@@ -1,5 +1,5 @@
-"""Prompt text: rendering a problem with data.prompt_template (and the tokenizer's chat template), and cutting
-pathologically long prompts before they reach the tokenizer."""
+"""Prompt text: rendering a problem with data.prompt_template (and the tokenizer's chat template), checking the
+template, and cutting pathologically long prompts before they reach the tokenizer."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import dataclasses
 
 from grpo_dist.config import DataConfig
 from grpo_dist.data.examples import DataError, PromptExample
+
+
+def template_problems(template) -> list[str]:
+    """The problem of a data.prompt_template without its one placeholder, '{prompt}' (none when it has it)."""
+    if not isinstance(template, str) or "{prompt}" not in template:
+        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {template!r}"]
+    return []
 
 
 def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> str:
@@ -17,10 +24,10 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> str:
     With data.use_chat_template the filled template is the user message (after data.system_prompt, if set) and the
     tokenizer's chat template renders it with the generation prompt appended.
     """
-    template = cfg.prompt_template
-    if not isinstance(template, str) or "{prompt}" not in template:
-        raise DataError(f"config key 'data.prompt_template' must contain '{{prompt}}', got {template!r}")
-    user = template.replace("{prompt}", example.prompt)
+    bad = template_problems(cfg.prompt_template)
+    if bad:
+        raise DataError(bad[0])
+    user = cfg.prompt_template.replace("{prompt}", example.prompt)
     if not cfg.use_chat_template:
         return user
     messages = []
