@@ -2,7 +2,7 @@
 
     python bench/generation.py                       # tiny Qwen2 (issue setting): 32 rows, 64 new tokens
     python bench/generation.py --model /path/to/hf_model --prompts 2 --new-tokens 128
-    python bench/generation.py --model "$(python -m grpo_dist.smollm2)" --only lean hf --reps 2   # real model
+    python bench/generation.py --model "$(python -m grpo_dist.tools.smollm2)" --only lean hf --reps 2   # real model
 
 Decode time per token = (T(new_tokens) - T(1)) / (new_tokens - 1), so the prefill (and tokenisation, text
 decoding) cancels out. Raw forwards, fed fixed tokens with no sampling (the floor a sampler on them pays):

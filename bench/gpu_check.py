@@ -234,8 +234,8 @@ def cmd_train(a) -> None:
 
 # ------------------------------------------------------------------------------------------------------ evaluate
 def cmd_evaluate(a) -> None:
-    """grpo_dist.evaluate's CLI on a saved checkpoint (generation in the compute dtype), timed, with its peak."""
-    from grpo_dist import evaluate
+    """grpo_dist.tools.evaluate's CLI on a saved checkpoint (generation in the compute dtype), timed, with its peak."""
+    from grpo_dist.tools import evaluate
     cfg_path = Path(a.model).parent / "gpu_check_config.yaml"
     reset_peak()
     t0 = time.perf_counter()

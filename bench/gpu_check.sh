@@ -14,7 +14,7 @@
 #                  and runs step 3; its weights are compared with the uninterrupted run's
 #   train_full     the same on the tied 4-layer model with save_format=full (gathered HF safetensors + optimizer)
 #   train_untied   save_format=full on the untied 4-layer model
-#   evaluate       python -m grpo_dist.evaluate's code on the full checkpoint (generation in the compute dtype)
+#   evaluate       python -m grpo_dist.tools.evaluate's code on the full checkpoint (generation in the compute dtype)
 #   cli            torchrun -m grpo_dist.train end to end, 2 steps + a save (nccl group creation, the entry point)
 # Printed per step: step time and its split (rollout, log-probs, update), rollout and training tokens/s, peak GPU
 # memory; per phase (rollout, learn, save, evaluate): median time and peak memory; per resume: loss equality and

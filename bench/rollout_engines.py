@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # reward_fns
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=("lean", "hf", "vllm"), required=True)
-    ap.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct, grpo_dist.smollm2)")
+    ap.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct, grpo_dist.tools.smollm2)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per rank")
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     args = ap.parse_args()
 
-    from grpo_dist import smollm2
+    from grpo_dist.tools import smollm2
     from grpo_dist.config import load_config
     from grpo_dist.distributed import all_reduce_max, all_reduce_sum, cleanup, init_distributed
     from grpo_dist.rollout_engines import prompt_token_ids

@@ -10,8 +10,8 @@ Layout of checkpoint-<step>/ (save_format=full, the default below FULL_STATE_MAX
 
 save_format=sharded replaces model.safetensors + optimizer.pt with sharded/, a torch.distributed.checkpoint (DCP)
 directory in which every rank writes its own shards of the model and optimizer state: nothing is gathered on one
-rank. config.json and the tokenizer are still written, so `python -m grpo_dist.export_checkpoint` can turn it into
-an HF safetensors directory.
+rank. config.json and the tokenizer are still written, so `python -m grpo_dist.tools.export_checkpoint` can turn it
+into an HF safetensors directory.
 
 A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once the manifest is written, so a
 crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one.
@@ -408,7 +408,7 @@ def load_checkpoint(path: Path, engine, ctx, hf_model=None, tied: dict[str, list
     if (path / SHARDED_DIR).is_dir():
         if not engine.supports_sharded():
             raise ValueError(f"{path} is a sharded (DCP) checkpoint, which this distributed.backend cannot load; "
-                             f"export it with `python -m grpo_dist.export_checkpoint {path} OUT_DIR` and start "
+                             f"export it with `python -m grpo_dist.tools.export_checkpoint {path} OUT_DIR` and start "
                              f"from model.name_or_path=OUT_DIR (the optimizer state is then fresh)")
         engine.load_sharded(path / SHARDED_DIR)  # DCP reshards to this world size
     else:

@@ -48,6 +48,24 @@ def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None
     return field(default=default, metadata=meta)
 
 
+# model.tiny: the keys a tiny random model takes, with their defaults (models.build_tiny_model), and its architectures
+TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
+                     max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0)
+TINY_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+
+
+def tiny_problems(tiny: dict) -> list[str]:
+    """Every problem of a model.tiny mapping: unknown keys, an unknown architecture. (Whether model.tiny.tokenizer,
+    when not char or bpe, names a tokenizer directory is found when the tokenizer is built.)"""
+    bad = [f"unknown config key 'model.tiny.{k}'; allowed: {', '.join(sorted(TINY_DEFAULTS))}"
+           for k in sorted(set(tiny) - set(TINY_DEFAULTS))]
+    arch = tiny.get("architecture", TINY_DEFAULTS["architecture"])
+    if arch not in TINY_ARCHITECTURES:
+        bad.append(f"config key 'model.tiny.architecture' = {arch!r}; choose one of {', '.join(TINY_ARCHITECTURES)}")
+    return bad
+
+
 @dataclass
 class ModelConfig:
     name_or_path: Optional[str] = _f(None, "HF model directory or hub id; unset means build `tiny` from scratch")
@@ -280,6 +298,14 @@ class GRPOConfig:
                 bad.append(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             bad.append("config key 'data.path' (or 'data.preset') must be set")
+        from grpo_dist.data import data_config_problems  # grpo_dist.data imports this module: import when used
+        bad += data_config_problems(self.data)
+        if self.model.name_or_path is None and self.model.tiny is not None:  # the tiny model is built
+            bad += tiny_problems(self.model.tiny)
+        if self.save_format == "sharded" and self.distributed.backend == "deepspeed":
+            bad.append("config key 'save_format' = sharded (a DCP directory) is FSDP's; with distributed.backend="
+                       "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
+                       "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
         return bad
 

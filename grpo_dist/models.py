@@ -15,15 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from grpo_dist.config import ConfigError, ModelConfig
+from grpo_dist.config import TINY_DEFAULTS, ConfigError, ModelConfig, tiny_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # distributed.mixed_precision -> the compute dtype (FSDP MixedPrecision, the generation replica)
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
-                     max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0)
 
 
 # ---------------------------------------------------------------------------------------------------- tokenizers
@@ -79,12 +76,10 @@ def prepare_tokenizer(tok):
 
 def _tiny_spec(cfg: ModelConfig) -> dict:
     assert cfg.tiny is not None  # called only for a tiny model
-    spec = dict(TINY_DEFAULTS)
-    unknown = set(cfg.tiny) - set(spec)
-    if unknown:
-        raise ConfigError(f"unknown config key 'model.tiny.{sorted(unknown)[0]}'; allowed: {', '.join(sorted(spec))}")
-    spec.update(cfg.tiny)
-    return spec
+    bad = tiny_problems(cfg.tiny)  # GRPOConfig has checked them; a ModelConfig built alone has not
+    if bad:
+        raise ConfigError(bad[0], bad)
+    return {**TINY_DEFAULTS, **cfg.tiny}
 
 
 def build_tiny_tokenizer(cfg: ModelConfig):
@@ -108,9 +103,7 @@ def build_tiny_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
     spec = _tiny_spec(cfg)
     arch = spec.pop("architecture")
     spec.pop("tokenizer")
-    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
-    if arch not in classes:
-        raise ConfigError(f"config key 'model.tiny.architecture' = {arch!r}; choose one of {', '.join(classes)}")
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}  # TINY_ARCHITECTURES
     vocab = max(spec.pop("vocab_size") or 0, len(tokenizer))
     kwargs = dict(spec, vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id)

@@ -691,7 +691,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ evaluation, save
     def evaluate(self) -> dict:
         """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
-        from grpo_dist.evaluate import evaluate_accuracy
+        from grpo_dist.evaluation import evaluate_accuracy
         self.sync_rollout_weights()
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console

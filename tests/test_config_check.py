@@ -60,6 +60,29 @@ def test_check_lists_every_problem_of_file_and_overrides_and_exits_2(tmp_path, c
         assert sum(needle in line for line in lines[1:]) == 1, needle
 
 
+# Checks that live next to the code they guard (data, model.tiny, the DeepSpeed engine) but need no file and no
+# model: GRPOConfig.problems() reports them with the rest.
+BAD_ELSEWHERE = ["data.limit=0", "data.arithmetic={ops: '/'}", "data.prompt_template=no placeholder",
+                 "model.tiny={architecture: gpt9, widht: 3}", "distributed.backend=deepspeed", "save_format=sharded"]
+NEEDLES_ELSEWHERE = ["config key 'data.limit' must be >= 1", "config key 'data.arithmetic.ops'",
+                     "config key 'data.prompt_template' must contain '{prompt}'",
+                     "unknown config key 'model.tiny.widht'", "config key 'model.tiny.architecture' = 'gpt9'",
+                     "config key 'save_format' = sharded"]
+
+
+def test_data_tiny_model_and_deepspeed_problems_are_config_problems(capsys):
+    assert main(["--check", "none", *BAD_ELSEWHERE]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"config: {len(NEEDLES_ELSEWHERE)} problem(s)"
+    for needle, line in zip(NEEDLES_ELSEWHERE, lines[1:]):
+        assert line.startswith("  command line: ") and needle in line, (needle, line)
+    with pytest.raises(ConfigError, match="data.arithmetic.num_examples. = 900000 is too large"):
+        load_config(None, ["data.arithmetic={max_operand: 999, num_examples: 900000}"])
+    # options of a set that is not used, and a tiny model that is not built, are not checked
+    load_config(None, ["data.arithmetic={ops: '/'}", "data.path=train.jsonl"])
+    load_config(None, ["model.tiny={architecture: gpt9}", "model.name_or_path=some/model"])
+
+
 def test_check_without_a_config_is_a_usage_error_and_no_arguments_list_the_keys(capsys):
     assert main(["--check"]) == 2
     assert "usage: python -m grpo_dist.config" in capsys.readouterr().err

@@ -242,6 +242,18 @@ def test_extract_reference():
         extract_reference("\\boxed{unbalanced", "boxed")
 
 
+
+def test_data_and_trainer_import_without_sympy():
+    """References are read with the sympy-free extractor (grpo_dist.rewards.extract): importing the data loader or
+    the trainer does not import the grader (grpo_dist.rewards.math) nor sympy."""
+    import subprocess
+    import sys
+    code = ("import sys, grpo_dist.data, grpo_dist.trainer; "
+            "print(sorted(m for m in ('sympy', 'grpo_dist.rewards.math') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
+
 # ------------------------------------------------------------------------------------------------ arithmetic
 
 def _evaluate(prompt: str) -> int:

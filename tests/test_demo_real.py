@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_dist.demo import final_answer_only, pair_completions
+from grpo_dist.rewards import final_answer_only
+from grpo_dist.tools.demo import pair_completions
 
 ROOT = Path(__file__).resolve().parent.parent
 

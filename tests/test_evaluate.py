@@ -1,5 +1,5 @@
-"""grpo_dist.evaluate: the pass@k estimator against its written-out definition, and the CLI under torchrun (2 ranks
-split the problems and reduce) against the same evaluation in one process."""
+"""grpo_dist.evaluation: the pass@k estimator against its written-out definition, and the CLI grpo_dist.tools.evaluate
+under torchrun (2 ranks split the problems and reduce) against the same evaluation in one process."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_dist.evaluate import k_values, pass_at_k
+from grpo_dist.evaluation import k_values, pass_at_k
 
 pytestmark = pytest.mark.fast  # the `make fast` tier
 
@@ -44,12 +44,12 @@ def test_pass_at_k_edges():
 
 @pytest.mark.slow  # torchrun with 2 ranks, then 1 process: ~20 s
 def test_cli_two_ranks_match_one_process(tmp_path):
-    """torchrun x2 runs `python -m grpo_dist.evaluate` on an odd number of problems; its greedy accuracy and count
+    """torchrun x2 runs `python -m grpo_dist.tools.evaluate` on an odd number of problems; its greedy accuracy and count
     must equal one in-process evaluation of the same model (ranks take every other problem and sum)."""
     from grpo_dist.config import ModelConfig, load_config
     from grpo_dist.data import load_examples
     from grpo_dist.distributed import DistContext
-    from grpo_dist.evaluate import evaluate
+    from grpo_dist.evaluation import evaluate
     from grpo_dist.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
     from grpo_dist.rewards import RewardComputer
 
@@ -68,7 +68,7 @@ def test_cli_two_ranks_match_one_process(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_dist.evaluate",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_dist.tools.evaluate",
            "--model", str(model_dir), "--data", str(data), "--config", str(cfg_path), "--num-samples", "4",
            "--output", str(tmp_path / "result.json"), "--completions", str(tmp_path / "completions.jsonl")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -125,12 +125,12 @@ def test_output_dir_without_config_uses_the_runs_config(tmp_path):
                     "rewards=[{function: 'reward_fns:always_one'}]"], cwd=root, env=env, check=True,
                    capture_output=True, timeout=300)
     for model in (out, out / "checkpoint-1"):
-        r = subprocess.run([sys.executable, "-m", "grpo_dist.evaluate", "--model", str(model), "--limit", "4",
+        r = subprocess.run([sys.executable, "-m", "grpo_dist.tools.evaluate", "--model", str(model), "--limit", "4",
                             "reward_workers=0"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert _json.loads(r.stdout.splitlines()[-1])["accuracy"] == 1.0
         assert "using the training run's config" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "grpo_dist.evaluate", "--model", str(out), "--limit", "4",
+    r = subprocess.run([sys.executable, "-m", "grpo_dist.tools.evaluate", "--model", str(out), "--limit", "4",
                         "--config", "configs/smoke_cpu.yaml", "reward_workers=0"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
     assert _json.loads(r.stdout.splitlines()[-1])["accuracy"] == 0.0  # an explicit --config still wins

@@ -68,7 +68,7 @@ def test_replica_and_reference_in_the_compute_dtype(tmp_path):
 
 
 def test_evaluation_generates_in_the_compute_dtype_on_gpus():
-    from grpo_dist.evaluate import generation_dtype
+    from grpo_dist.tools.evaluate import generation_dtype
     bf16 = load_config(None, ["distributed.mixed_precision=bf16"])
     assert generation_dtype(bf16, torch.device("cuda", 0)) == torch.bfloat16
     assert generation_dtype(bf16, torch.device("cpu")) is None

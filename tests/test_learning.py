@@ -1,7 +1,7 @@
 """GRPO must teach: a fixed-seed 2-rank run raises greedy accuracy on held-out problems by more than noise can.
 
-Setup: the demo's base model (grpo_dist.demo build-base defaults, cached in <repo>/.cache/test_learning_base after the
-first build), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml` for STEPS steps,
+Setup: the demo's base model (grpo_dist.tools.demo build-base defaults, cached in <repo>/.cache/test_learning_base after
+the first build), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml` for STEPS steps,
 evaluating greedy accuracy on the 80 held-out addition problems (never trained on) before and after.
 
 How the margin was chosen. Greedy decoding of a fixed model on a fixed problem set is deterministic, so the noise
@@ -50,14 +50,14 @@ def no_signal_reward(completion: str, reference: str) -> float:
 
 
 def _base_dir() -> Path:
-    from grpo_dist.demo import build_base
+    from grpo_dist.tools.demo import build_base
     return build_base(ROOT / ".cache" / "test_learning_base", log=lambda *a: None)
 
 
 def _held_out_accuracy(model_dir: Path) -> float:
     from grpo_dist.config import load_config
     from grpo_dist.data import load_examples
-    from grpo_dist.demo import number_match
+    from grpo_dist.rewards import number_match
     from grpo_dist.models import load_model, load_tokenizer
     from grpo_dist.rollout import generate_rollouts
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [f"model.name_or_path={model_dir}"])
@@ -69,7 +69,7 @@ def _held_out_accuracy(model_dir: Path) -> float:
     return sum(number_match(c, r) for c, r in zip(b.completions, b.references)) / len(ex)
 
 
-def run_learning(out: Path, seed: int = 0, reward: str = "grpo_dist.demo:number_match",
+def run_learning(out: Path, seed: int = 0, reward: str = "grpo_dist.rewards:number_match",
                  steps: int = STEPS) -> tuple[float, float]:
     """(base accuracy, accuracy after `steps` GRPO steps on 2 ranks) on the held-out problems."""
     base = _base_dir()
@@ -94,13 +94,14 @@ def test_grpo_raises_held_out_accuracy(tmp_path):
 
 if __name__ == "__main__":  # record repeated runs: python tests/test_learning.py OUT_DIR SEED [control]
     out, seed = Path(sys.argv[1]), int(sys.argv[2])
-    reward = "test_learning:no_signal_reward" if "control" in sys.argv[3:] else "grpo_dist.demo:number_match"
+    reward = "test_learning:no_signal_reward" if "control" in sys.argv[3:] else "grpo_dist.rewards:number_match"
     sys.path.insert(0, str(ROOT / "tests"))
     print(json.dumps({"seed": seed, "reward": reward, "result": run_learning(out, seed, reward)}))
 
 
 def test_number_match_reward():
-    from grpo_dist.demo import BaseSettings, noisy_answer, number_match
+    from grpo_dist.rewards import number_match
+    from grpo_dist.tools.demo import BaseSettings, noisy_answer
     assert number_match("17", "17") == 1.0 and number_match(" 17 ", "17") == 1.0 and number_match("-3", "-3") == 1.0
     for wrong in ("18", "1 7", "17.0", "", "17+0", "x", "１7" * 9):
         assert number_match(wrong, "17") == 0.0, wrong

@@ -1,4 +1,4 @@
-"""grpo_dist.plot: metrics.jsonl -> readable PNG panels (in-process, no subprocess)."""
+"""grpo_dist.tools.plot: metrics.jsonl -> readable PNG panels (in-process, no subprocess)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.fast  # the `make fast` tier
 
 pytest.importorskip("matplotlib")
 
-from grpo_dist.plot import PANELS, ema, plot, read_metrics  # noqa: E402
+from grpo_dist.tools.plot import PANELS, ema, plot, read_metrics  # noqa: E402
 
 
 def test_ema_is_debiased_exponential_average():

@@ -1,4 +1,4 @@
-"""The fixes of real checkpoints, checked on the real SmolLM2-135M-Instruct weights (grpo_dist.smollm2):
+"""The fixes of real checkpoints, checked on the real SmolLM2-135M-Instruct weights (grpo_dist.tools.smollm2):
   - the lean decoder's greedy tokens equal `model.generate`'s on 16 chat prompts x 64 new tokens, and the scoring
     pass (completion_logits + selective_log_probs, batched, left-padded) equals a plain forward + log_softmax;
   - tied embeddings under FSDP with rank-0-only loading: 4 steps straight equal 2 steps, a requeued run with

@@ -98,7 +98,7 @@ def test_other_world_size_needs_same_global_batch_and_maps_full_and_sharded_stat
 def test_sharded_export_loads_with_from_pretrained_like_full_state(straight, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo_dist.export_checkpoint import main as export_main
+    from grpo_dist.tools.export_checkpoint import main as export_main
     full, sharded = straight / "a" / "checkpoint-2", straight / "s" / "checkpoint-2"
     assert not (sharded / "model.safetensors").exists() and (sharded / "sharded" / ".metadata").is_file()
     want = AutoModelForCausalLM.from_pretrained(full).state_dict()

@@ -129,7 +129,7 @@ def test_two_ranks_with_vllm_train_checkpoint_resume_and_stay_in_step(smollm2_di
 
 
 def test_evaluate_with_vllm_matches_the_lean_decoder(smollm2_dir, tmp_path):
-    """python -m grpo_dist.evaluate rollout_engine=vllm: the same greedy accuracy as the lean decoder (the reward
+    """python -m grpo_dist.tools.evaluate rollout_engine=vllm: the same greedy accuracy as the lean decoder (the reward
     reads the text, so equal greedy completions give equal accuracy), and sampled pass@k from vLLM."""
     import subprocess
     import sys
@@ -142,7 +142,7 @@ def test_evaluate_with_vllm_matches_the_lean_decoder(smollm2_dir, tmp_path):
     results = {}
     for engine in ("vllm", "lean"):
         out = tmp_path / f"{engine}.json"
-        cmd = [sys.executable, "-m", "grpo_dist.evaluate", "--model", str(smollm2_dir), "--data", str(data),
+        cmd = [sys.executable, "-m", "grpo_dist.tools.evaluate", "--model", str(smollm2_dir), "--data", str(data),
                "--num-samples", "2", "--output", str(out), f"rollout_engine={engine}", "max_completion_length=16",
                "reward_workers=0", "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]",
                "vllm.kv_cache_gb=1"]

@@ -189,10 +189,6 @@ class DeepSpeedEngine(Engine):
     module: Any  # a deepspeed.DeepSpeedEngine (deepspeed has no type hints)
 
     def __init__(self, cfg, model: torch.nn.Module, ctx):
-        if getattr(cfg, "save_format", "full") == "sharded":
-            raise ConfigError("save_format=sharded (a DCP directory) is FSDP's; with distributed.backend=deepspeed use "
-                              "save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
-                              "checkpoint-<step>/deepspeed/ next to the HF weights")
         self.ds_lib = import_deepspeed()
         self.cfg, self.ctx = cfg, ctx
         self.ds_config = build_deepspeed_config(cfg, ctx.world_size, getattr(model.config, "hidden_size", None))

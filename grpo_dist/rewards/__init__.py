@@ -1,19 +1,22 @@
 """Reward functions for RLVR and the bounded batch grader the trainer uses.
 
-``math_reward`` / ``extract_answer`` grade math answers (see
-:mod:`grpo_dist.rewards.math`); ``RewardComputer`` grades batches in worker
-processes with a hard per-item time limit (see :mod:`grpo_dist.rewards.grading`);
-``resolve_reward_function`` turns a ``"module:function"`` spec into a callable;
-``digit_overlap`` is a partial-credit shaping reward (:mod:`grpo_dist.rewards.shaping`).
+``math_reward`` / ``extract_answer`` grade math answers (see :mod:`grpo_dist.rewards.math`; the
+answer is found in the text by the sympy-free :mod:`grpo_dist.rewards.extract`, which the data
+loader also uses for references); ``RewardComputer`` grades batches in worker processes with a
+hard per-item time limit (see :mod:`grpo_dist.rewards.grading`); ``resolve_reward_function``
+turns a ``"module:function"`` spec into a callable; ``digit_overlap`` is a partial-credit shaping
+reward (:mod:`grpo_dist.rewards.shaping`); ``number_match`` and ``final_answer_only`` check the
+form of a completion (:mod:`grpo_dist.rewards.format`, the demos' rewards).
 
 ``math_reward`` and ``extract_answer`` are re-exported lazily so that a reward
 worker that only runs other functions does not pay for importing sympy.
 """
+from grpo_dist.rewards.format import final_answer_only, number_match
 from grpo_dist.rewards.grading import RewardComputer, resolve_reward_function
-
 from grpo_dist.rewards.shaping import digit_overlap
 
-__all__ = ["math_reward", "extract_answer", "digit_overlap", "resolve_reward_function", "RewardComputer"]
+__all__ = ["math_reward", "extract_answer", "digit_overlap", "number_match", "final_answer_only",
+           "resolve_reward_function", "RewardComputer"]
 
 
 def __getattr__(name):

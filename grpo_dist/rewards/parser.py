@@ -26,12 +26,13 @@ import re
 import mpmath
 import sympy
 
+from grpo_dist.rewards.extract import MAX_ANSWER_CHARS
+
 __all__ = [
     "ParseError", "parse", "Tup", "SetV", "UnionV", "Rel", "Matrix", "Multi", "PMList",
-    "MAX_ANSWER_CHARS", "MAX_DEPTH", "MAX_BITS",
+    "MAX_DEPTH", "MAX_BITS",
 ]
 
-MAX_ANSWER_CHARS = 2000   # longest answer (after extraction) we try to parse
 MAX_TOKENS = 1000         # longest token stream
 MAX_NESTING = 48          # deepest bracket nesting in the text
 MAX_DEPTH = 160           # deepest recursion of the parser (about 3 per bracket level)

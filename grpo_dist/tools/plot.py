@@ -1,6 +1,6 @@
 """Training curves as PNG files, from OUTPUT_DIR/metrics.jsonl.
 
-    python -m grpo_dist.plot OUTPUT_DIR [--smoothing 0.8] [--out DIR]
+    python -m grpo_dist.tools.plot OUTPUT_DIR [--smoothing 0.8] [--out DIR]
 
 Writes OUTPUT_DIR/plots/training_curves.png (all panels on one page) and one PNG per panel (reward.png,
 eval_accuracy.png, completion_length.png, truncated.png, kl.png, entropy.png, clip_fraction.png, grad_norm.png,
@@ -71,7 +71,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                print(f"[grpo_dist.plot] {path}:{lineno}: not JSON, skipped (a run killed mid-write?)",
+                print(f"[grpo_dist.tools.plot] {path}:{lineno}: not JSON, skipped (a run killed mid-write?)",
                       file=sys.stderr)
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
@@ -174,7 +174,7 @@ def plot(output_dir: str | Path, out_dir: str | Path | None = None, smoothing: f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grpo_dist.plot", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.tools.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="training output_dir holding metrics.jsonl")
     p.add_argument("--out", help="where the PNGs go (default OUTPUT_DIR/plots)")
@@ -183,10 +183,10 @@ def main(argv=None) -> int:
     try:
         paths = plot(args.output_dir, args.out, args.smoothing)
     except (FileNotFoundError, ValueError) as e:
-        print(f"grpo_dist.plot: {e}", file=sys.stderr)
+        print(f"grpo_dist.tools.plot: {e}", file=sys.stderr)
         return 2
     except ImportError:
-        print("grpo_dist.plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        print("grpo_dist.tools.plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     print(f"wrote {len(paths)} PNG files to {paths[0].parent} (overview: {paths[0]})")
     return 0

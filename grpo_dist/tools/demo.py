@@ -1,11 +1,12 @@
 """The built-in demo: a base model that GRPO can visibly improve, built on a CPU in seconds, with no download.
 
-    python -m grpo_dist.demo build-base --out outputs/demo_base        # build (or reuse) the base model
-    python -m grpo_dist.demo summary --base-eval A.json --final-eval B.json --out OUT/demo_summary.json --wall-time-s T
+    python -m grpo_dist.tools.demo build-base --out outputs/demo_base        # build (or reuse) the base model
+    python -m grpo_dist.tools.demo summary --base-eval A.json --final-eval B.json --out OUT/demo_summary.json \\
+        --wall-time-s T
 
 `bash launch/demo.sh OUTPUT_DIR` runs the whole demo (venv, base model, evaluation before and after GRPO, plots).
-`bash launch/demo.sh --real OUTPUT_DIR` runs it on the real SmolLM2-135M-Instruct (configs/demo_real_cpu.yaml, whose
-format reward `final_answer_only` lives here).
+`bash launch/demo.sh --real OUTPUT_DIR` runs it on the real SmolLM2-135M-Instruct (configs/demo_real_cpu.yaml).
+The demos' reward functions, `number_match` and `final_answer_only`, are in grpo_dist.rewards.format.
 
 Why a warm start with noisy answers: GRPO only learns from groups whose completions disagree (some right, some
 wrong). A real instruction model on MATH is in exactly that state: it solves a problem some of the time (a public
@@ -32,7 +33,6 @@ import argparse
 import hashlib
 import json
 import random
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,32 +41,6 @@ from pathlib import Path
 import torch
 
 SETTINGS_FILE = "demo_base.json"
-
-
-def number_match(completion: str, reference: str) -> float:
-    """Reward of the demo: 1 when the completion is exactly the reference integer (surrounding spaces allowed).
-
-    The demo model answers "3+14=" with "17<eos>", a bare number; math_reward wants \\boxed{} or '#### n', so the
-    demo grades with this instead. Only digits (and one leading '-') are read: nothing reaches eval."""
-    text = completion.strip()
-    body = text[1:] if text.startswith("-") else text
-    if not body.isdigit() or len(body) > 12:
-        return 0.0
-    try:
-        return float(int(text) == int(reference.strip()))
-    except ValueError:
-        return 0.0
-
-
-_FINAL_ANSWER_LINE = re.compile(r"The final answer is -?\d+\.?")
-
-
-def final_answer_only(completion: str, reference: str) -> float:
-    """Format reward of the real-model demo: 1 when the whole completion is the line "The final answer is N." with
-    an integer N (right or wrong), else 0. Correctness is math_reward's job (it reads the same phrase); this small
-    extra reward pays for answering in the graded form and then stopping, which math_reward alone does not (a right
-    answer followed by rambling up to the cut-off scores 1)."""
-    return float(_FINAL_ANSWER_LINE.fullmatch(completion.strip()) is not None)
 
 
 @dataclass
@@ -270,7 +244,7 @@ def _progress(total: int, desc: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grpo_dist.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo_dist.tools.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-base", help="build (or reuse) the warm-started base model")
@@ -288,7 +262,7 @@ def main(argv=None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--wall-time-s", type=float, required=True)
     m.add_argument("--title", default="Held-out addition problems never seen in training")
-    m.add_argument("--base-completions", help="eval_base_completions.jsonl (python -m grpo_dist.evaluate "
+    m.add_argument("--base-completions", help="eval_base_completions.jsonl (python -m grpo_dist.tools.evaluate "
                    "--completions): with --final-completions, print a few completions before and after")
     m.add_argument("--final-completions")
     m.add_argument("--pairs-out", help="where the paired completions go (default: next to --out)")

@@ -1,0 +1,17 @@
+"""The two types every data module shares: PromptExample (one problem and its reference answer) and DataError
+(a data problem, naming the file and line or the config key at fault)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DataError(ValueError):
+    """A data problem, naming the file and line (or the config key) at fault."""
+
+
+@dataclass
+class PromptExample:
+    prompt: str   # the problem text (not rendered)
+    answer: str   # the reference answer, already extracted
+    index: int    # 0-based position in the loaded split (stable: same data config -> same index)

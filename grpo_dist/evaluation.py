@@ -1,0 +1,146 @@
+"""Accuracy of a model on a prompt set: greedy pass@1 and pass@k from K samples per problem (``evaluate``), and
+the greedy accuracy the trainer measures every eval_steps (``evaluate_accuracy``). The command line is
+grpo_dist.tools.evaluate.
+
+A completion counts as correct when the first reward function gives it full marks (>= 1). Ranks split the problems
+(rank r takes every world_size-th) and sum their counts, so the result does not depend on the number of ranks.
+pass@k uses the unbiased estimator from n = K samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
+averaged over problems.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from grpo_dist import distributed as gdist
+from grpo_dist.data import render_prompt
+from grpo_dist.rollout import cut_off, eos_token_ids
+from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct) from n samples of which c are correct:
+    1 - C(n-c, k) / C(n, k), computed as a product to stay exact-ish for large n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def k_values(n: int) -> list[int]:
+    """The k reported for n samples: 1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def _correct_flags(rewards, completions, references, lengths=None, max_len=None) -> list[bool]:
+    """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
+    totals, per_function = rewards(completions, references, lengths, max_len)
+    first = next(iter(per_function.values()), totals) if per_function else totals
+    return [float(r) >= 1.0 for r in first]
+
+
+def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
+    """A rollout engine as is; a plain model -> the lean / hf sampling loop on it (config key rollout_engine)."""
+    if isinstance(model, RolloutEngine):
+        return model
+    model.eval()  # no dropout while generating
+    return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
+
+
+def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
+                    batch_size: int = 64, bar=None, records: list | None = None,
+                    sample_out: list | None = None) -> list[int]:
+    """Per example, how many of its num_samples completions are correct. model: a RolloutEngine or a model.
+    With `records`, one dict per completion (problem, reference, completion, correct, cut off) is appended to it;
+    sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
+    engine = as_rollout_engine(model, cfg, tokenizer)
+    sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
+                            eos_ids=tuple(eos_token_ids(getattr(engine, "model", None), tokenizer)),
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
+    counts = []
+    for s in range(0, len(examples), batch_size):
+        chunk = examples[s:s + batch_size]
+        prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
+        batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in chunk], sampling,
+                               cfg.data.max_prompt_length, "cpu")
+        flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
+                               cfg.max_completion_length)
+        if sample_out is not None and not sample_out and batch.completions:
+            sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
+        counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
+        if records is not None:
+            cut = cut_off(batch, sampling.eos_ids).tolist()
+            records += [{"index": chunk[i // num_samples].index, "problem": chunk[i // num_samples].prompt,
+                         "reference": batch.references[i], "completion": batch.completions[i],
+                         "correct": flags[i], "truncated": cut[i],
+                         "num_tokens": int(batch.completion_mask[i].sum())} for i in range(len(flags))]
+        if bar is not None:
+            bar.update(len(chunk))
+    return counts
+
+
+@torch.no_grad()
+def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
+                      sample_out: list | None = None) -> float:
+    """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
+    must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
+    sample_out: see _score_examples (this rank's first completion)."""
+    was_training = getattr(model, "training", False)
+    mine = examples[ctx.rank::ctx.world_size]
+    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
+                             sample_out=sample_out) if mine else []
+    total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
+    if isinstance(model, torch.nn.Module):
+        model.train(was_training)
+    return float(total[0] / max(float(total[1]), 1.0))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
+             progress: bool = False, records: list | None = None) -> dict:
+    """Greedy pass@1, the fraction of greedy completions cut off at max_completion_length (no EOS) and, with
+    num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
+    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it."""
+    mine = examples[ctx.rank::ctx.world_size]
+    bar = None
+    if progress and ctx.is_main and sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
+    t0 = time.perf_counter()
+    mine_records: list[dict] = []
+    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records)
+    sums = [float(sum(greedy)), float(len(mine)), float(sum(r["truncated"] for r in mine_records))]
+    ks = k_values(num_samples) if num_samples > 0 else []
+    if ks:
+        if bar is not None:
+            bar.reset(total=len(mine))
+            bar.set_description(f"{num_samples} samples (rank 0)")
+        sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
+                                  max(1, batch_size // num_samples), bar) if mine else []
+        sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
+    if records is not None:
+        records += mine_records
+    if bar is not None:
+        bar.close()
+    total = gdist.all_reduce_sum(sums, ctx.device)
+    n = max(float(total[1]), 1.0)
+    result = {"accuracy": float(total[0] / n), "num_examples": int(total[1]),
+              "truncated_fraction": float(total[2] / n)}
+    for i, k in enumerate(ks):
+        result[f"pass@{k}"] = float(total[3 + i] / n)
+    if ks:
+        result["num_samples"] = num_samples
+        result["temperature"] = cfg.temperature
+    result["eval_time_s"] = time.perf_counter() - t0
+    return result

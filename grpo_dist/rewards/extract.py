@@ -1,0 +1,257 @@
+"""Finding the final answer in a completion or a reference: boxes, final-answer phrases, '#### n' lines and bare
+answers (rules 1-3 of :mod:`grpo_dist.rewards.math`). Pure string work, without sympy, so the data loader reads
+references with it and a trainer process never imports the grader.
+
+``last_boxed(text)``: the content of the last box. ``answer_parts(text)``: the final answer as a list of strings
+(several for a group of boxes; ``extract_answer`` in :mod:`grpo_dist.rewards.math` merges equivalent ones).
+"""
+from __future__ import annotations
+
+import re
+
+MAX_ANSWER_CHARS = 2000    # longest answer (after extraction) the grader tries to parse
+_BOX_NAMES = ("\\boxed", "\\fbox")
+MAX_BOXES = 8              # boxes looked at (the last ones); more are never an answer group
+MAX_GAP_CHARS = 80         # longest text between two boxes of one answer group
+BARE_MAX_CHARS = 120       # longest completion read as a bare answer (no box, no phrase)
+_BRACE_TOK_RE = re.compile(r"\\.|[{}]", re.S)
+# Words that are no prose: units after a number, and function names of math.
+UNIT_WORDS = (
+    "cm|mm|km|m|meters?|metres?|centimeters?|millimeters?|kilometers?|inch|inches|in|feet|foot|ft|"
+    "yards?|yd|miles?|mi|units?|square units|sq units|degrees?|deg|radians?|rad|cents?|dollars?|"
+    "hours?|hrs?|h|minutes?|mins?|seconds?|secs?|s|days?|weeks?|months?|years?|kg|g|grams?|"
+    "kilograms?|pounds?|lbs?|oz|ounces?|liters?|litres?|l|ml|gallons?|mph|km/h|m/s|"
+    "people|students|apples|times|ways|points|marbles|books|pages|cookies|pieces"
+)
+MATH_WORDS = {"sqrt", "pi", "sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp",
+              "infty", "infinity", "inf", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh"}
+
+
+def _brace_span(text: str, start: int, limit: int):
+    """(content, end) of the brace group at text[start] == '{'; (None, None) if unclosed.
+
+    Only the next ``limit`` characters are scanned: a longer group is returned
+    truncated to limit + 1 characters (too long for is_equivalent, so it grades 0).
+    """
+    depth = 0
+    stop = min(len(text), start + limit + 2)
+    for m in _BRACE_TOK_RE.finditer(text, start, stop):
+        c = m.group(0)
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:m.start()], m.end()
+    if stop < len(text):
+        return text[start + 1:stop], stop
+    return None, None
+
+
+def last_boxed(text: str):
+    """Content of the last \\boxed{...} / \\fbox{...} (nested braces), or of `\\boxed 5`; None if absent."""
+    spans = _box_spans(text)
+    return spans[-1][2] if spans else None
+
+
+def _box_spans(text: str) -> list:
+    """(start, end, content) of the last MAX_BOXES outermost boxes, in text order."""
+    starts = set()
+    for name in _BOX_NAMES:
+        end = len(text)
+        for _ in range(2 * MAX_BOXES):
+            p = text.rfind(name, 0, end)
+            if p < 0:
+                break
+            starts.add((p, name))
+            end = p
+    spans = []
+    for p, name in sorted(starts)[-2 * MAX_BOXES:]:
+        j = p + len(name)
+        if j < len(text) and text[j].isalpha():  # \boxedfoo is another macro
+            continue
+        while j < len(text) and text[j] in " \t":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            content, stop = _brace_span(text, j, 2 * MAX_ANSWER_CHARS)
+            if content is None:
+                continue
+            spans.append((p, stop, content))
+        elif j > p + len(name):  # "\boxed 5"
+            m = re.match(r"[^\s$]+", text[j:j + 200])
+            if m:
+                spans.append((p, j + m.end(), m.group(0)))
+    outer = [s for s in spans if not any(o[0] < s[0] and s[1] <= o[1] for o in spans)]
+    return outer[-MAX_BOXES:]
+
+
+_GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+_GAP_NOISE_RE = re.compile(
+    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
+    r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
+)
+# words that join boxes into one answer (a list, or a hedge between alternatives)
+_GAP_WORDS = {"and", "or", "maybe", "possibly", "perhaps", "alternatively", "either", "also",
+              "otherwise", "nor", "both", "plus", "as", "well", "else", "respectively"}
+
+
+def _connective(gap: str) -> bool:
+    """True when two boxes are joined only by punctuation, labels or and/or-like words."""
+    if len(gap) > MAX_GAP_CHARS:
+        return False
+    g = _GAP_WRAP_RE.sub(r" \1 ", gap)
+    g = _GAP_NOISE_RE.sub(" ", g)
+    words = re.findall(r"[A-Za-z]+", g)
+    if any(w.lower() not in _GAP_WORDS for w in words):
+        return False
+    return re.fullmatch(r"[\sA-Za-z,;.:$&()*/\-]*", g) is not None
+
+
+def _box_group(text: str, spans: list) -> list:
+    """Contents of the final answer group: the last box and the boxes chained to it."""
+    group = [spans[-1]]
+    for prev in reversed(spans[:-1]):
+        if not _connective(text[prev[1]:group[0][0]]):
+            break
+        group.insert(0, prev)
+    return [c.strip() for _, _, c in group]
+
+
+_PHRASE_RE = re.compile(
+    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:)[\s*_]*:?\s*", re.I)
+_LEAD_RE = re.compile(
+    r"(?i)(?:the|so|thus|hence|therefore|it|this|that|our|we|a|an|my)\b[^=]{0,80}?\s"
+    r"(?:is|are|equals|was|be|gives|get)\s*:?\s+(?=\S)"
+)
+_FILLER_RE = re.compile(r"(?i)^(?:therefore|thus|then|clearly|simply|just|exactly|equal\s+to|given\s+by)\s+")
+_TAIL_WORDS_RE = re.compile(
+    r"(?i)[\s,]+(?:because|since|as|which|where|when|so|for|if|but|i\s+hope|hence|thus|after)\b.*$"
+)
+
+
+def _leading_segment(line: str):
+    """``$5$.`` / ``$5$. I hope it is correct.`` -> ``5``; None when more math follows (``$4$ or $5$``)."""
+    if not line.startswith("$"):
+        return None
+    body = line.lstrip("$")
+    q = body.find("$")
+    if q < 0:
+        return None
+    after = body[q:].lstrip("$").strip()
+    if after and after[0] not in ".!;":
+        return None
+    return body[:q].strip() or None
+
+
+def _phrase_answer(rest: str):
+    """The answer stated right after a final-answer phrase (its first non-empty line)."""
+    lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
+    line = next((ln for ln in lines if ln), "")
+    if not line:
+        return None
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
+    line = _LEAD_RE.sub("", line, count=1) if _LEAD_RE.match(line) else line
+    seg = _leading_segment(line)
+    if seg is not None:
+        return seg
+    m = re.match(r"(.*?)(?:\.\s|\.$|$)", line)
+    ans = m.group(1).strip() if m else line
+    ans = _FILLER_RE.sub("", ans)
+    ans = _TAIL_WORDS_RE.sub("", ans)
+    return ans.strip("$ ") or None
+
+
+def _gradeable(ans: str) -> bool:
+    """A phrase answer that may override an earlier box: math or a choice, not prose."""
+    if re.fullmatch(r"\(?[A-Z]\)?", ans):
+        return True
+    return bool(re.search(r"[\d\\]", ans)) and not _has_prose(ans)
+
+
+MAX_PHRASES = 16           # final-answer phrases looked at (the last ones)
+
+
+def _phrase_matches(text: str, start: int) -> list:
+    """The last MAX_PHRASES final-answer phrases after ``start`` (found via "answer", in C)."""
+    low = text.lower()
+    out = []
+    end = len(text)
+    for _ in range(MAX_PHRASES):
+        p = low.rfind("answer", start, end)
+        if p < 0:
+            break
+        end = p
+        m = _PHRASE_RE.search(text, max(start, p - 24), min(len(text), p + 48))
+        if m and m.start() <= p < m.end():
+            out.append(m)
+    return out
+
+
+def answer_parts(text: str):
+    """The final answer of a completion as a list of strings (several for a box group)."""
+    spans = _box_spans(text)
+    box_pos = spans[-1][0] if spans else -1
+    later = [(m.start(), "phrase", m) for m in _phrase_matches(text, max(box_pos, 0))]
+    p = text.rfind("####")
+    if p > box_pos:
+        later.append((p, "hash", None))
+    for pos, kind, m in sorted(later, key=lambda t: t[0], reverse=True):
+        if kind == "hash":
+            ans = text[pos + 4:].split("\n", 1)[0].strip()
+        else:
+            ans = _phrase_answer(text[m.end():m.end() + MAX_ANSWER_CHARS + 10])
+        if ans and (box_pos < 0 or _gradeable(ans)):
+            return [ans]
+    if spans:
+        return _box_group(text, spans)
+    bare = _bare_answer(text)
+    return [bare] if bare else None
+
+
+_DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
+_SEGMENT_RE = re.compile(r"\$\$([^$]+)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
+_UNIT_WORD_SET = None
+
+
+def _has_prose(t: str) -> bool:
+    """A run of 4+ letters outside LaTeX commands that is neither a math word nor a unit."""
+    global _UNIT_WORD_SET
+    if _UNIT_WORD_SET is None:
+        _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", UNIT_WORDS)}
+    bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
+    for w in re.findall(r"[A-Za-z]+", bare):
+        lw = w.lower()
+        if len(w) > 3 and lw not in MATH_WORDS and lw not in _UNIT_WORD_SET and lw.rstrip("s") not in _UNIT_WORD_SET:
+            return True
+    return False
+
+
+def _bare_answer(text: str):
+    """A completion that is nothing but an answer (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
+
+    One line of at most BARE_MAX_CHARS characters, either wholly inside one math
+    delimiter pair, or with no prose: every run of letters outside LaTeX commands
+    is at most 3 letters long, a math word or a unit -- or at most two words
+    and no digit (a text answer) -- or a sentence whose only math is one
+    delimited segment at its end ("The answer is $5$.").  Prose without math
+    markup such as "the answer is 42" is no answer.
+    """
+    t = text.strip()
+    if not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t:
+        return None
+    m = _DELIMITED_RE.fullmatch(t)
+    if m:
+        inner = next(g for g in m.groups() if g is not None).strip()
+        return inner if inner and "$" not in inner else None
+    segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
+    if (len(segs) == 1 and re.fullmatch(r"[\s.!]*", t[segs[0].end():])
+            and re.search(r"[A-Za-z]{2}", t[:segs[0].start()])):
+        inner = next(g for g in segs[0].groups() if g is not None).strip()
+        return inner or None
+    if not _has_prose(t):
+        return t
+    if len(t.split()) <= 2 and not re.search(r"\d", t):
+        return t
+    return None
