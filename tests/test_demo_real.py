@@ -51,7 +51,7 @@ def test_pair_completions_joins_by_problem(tmp_path, capsys):
 def test_real_demo_smoke(tmp_path, smollm2_dir):
     """The whole --real demo for 2 optimizer steps on 6 held-out problems: every output exists, and the summary and
     completion files agree with each other and with the verifier."""
-    from grpo_dist.rewards.math import math_reward
+    from grpo_dist.rewards.math import evaluated_math_reward
     for module in ("matplotlib", "tensorboard", "tqdm"):  # else demo.sh would pip-install into this interpreter
         pytest.importorskip(module)
 
@@ -71,12 +71,12 @@ def test_real_demo_smoke(tmp_path, smollm2_dir):
     assert summary["num_eval_problems"] == 6
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
-    assert {"reward/math_reward", "reward/final_answer_only"} <= set(rows[-1])  # each reward is reported on its own
+    assert {"reward/evaluated_math_reward", "reward/final_answer_only"} <= set(rows[-1])  # each reward on its own
     for when in ("base", "final"):
         recs = [json.loads(line) for line in (out / f"eval_{when}_completions.jsonl").read_text().splitlines()]
         assert len(recs) == 6
-        for r in recs:  # "correct" is the verifier's verdict, not the format reward's
-            assert r["correct"] == (math_reward(r["completion"], r["reference"]) == 1.0)
+        for r in recs:  # "correct" is the verifier's verdict (the config's first reward), not the format reward's
+            assert r["correct"] == (evaluated_math_reward(r["completion"], r["reference"]) == 1.0)
         assert summary[f"{when}_accuracy"] == pytest.approx(sum(r["correct"] for r in recs) / 6)
         assert summary[f"{when}_truncated_fraction"] == pytest.approx(sum(r["truncated"] for r in recs) / 6)
     pairs = (out / "sample_completions.jsonl").read_text().splitlines()

@@ -117,3 +117,25 @@ def test_no_eval_in_source():
         code = re.sub(r'""".*?"""|#.*', "", src, flags=re.S)
         for banned in ("sympify(", "parse_expr(", "eval(", "exec(", "parse_latex(", "lambdify(", "S("):
             assert banned not in code.replace("mp_eval(", "").replace("_mp_eval(", ""), (mod.__name__, banned)
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("The final answer is 35+20", "55", 0.0),         # the question restated: math_reward pays it, this does not
+    ("\\boxed{35 + 20}", "55", 0.0),
+    ("The final answer is (35)+(20).", "55", 0.0),
+    ("\\boxed{3 \\times 4}", "12", 0.0),
+    ("\\boxed{60 \\div 5}", "12", 0.0),
+    ("\\boxed{-3 + 58}", "55", 0.0),
+    ("The final answer is 55.", "55", 1.0),
+    ("The final answer is 35+20=55", "55", 1.0),      # a chain that ends in the value
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),              # a fraction is a value
+    ("The final answer is 1/2", "\\frac{1}{2}", 1.0),
+    ("\\boxed{-5}", "-5", 1.0),
+    ("\\boxed{x+1}", "x+1", 1.0),                     # not numbers only: graded as math_reward does
+    ("The final answer is 54.", "55", 0.0),
+])
+def test_evaluated_math_reward_refuses_arithmetic_left_undone(completion, reference, expected):
+    from grpo_dist.rewards import evaluated_math_reward
+    assert evaluated_math_reward(completion, reference) == expected
+    if expected == 0.0 and "54" not in completion:  # every refusal here is an answer math_reward accepts
+        assert math_reward(completion, reference) == 1.0

@@ -1,6 +1,7 @@
 """Reward functions for RLVR and the bounded batch grader the trainer uses.
 
-``math_reward`` / ``extract_answer`` grade math answers (see :mod:`grpo_dist.rewards.math`; the
+``math_reward`` / ``extract_answer`` grade math answers (see :mod:`grpo_dist.rewards.math`;
+``evaluated_math_reward`` also refuses an answer left as arithmetic, "35+20", for tasks that ask for a sum; the
 answer is found in the text by the sympy-free :mod:`grpo_dist.rewards.extract`, which the data
 loader also uses for references); ``RewardComputer`` grades batches in worker processes with a
 hard per-item time limit (see :mod:`grpo_dist.rewards.grading`); ``resolve_reward_function``
@@ -15,16 +16,16 @@ from grpo_dist.rewards.format import final_answer_only, number_match
 from grpo_dist.rewards.grading import RewardComputer, resolve_reward_function
 from grpo_dist.rewards.shaping import digit_overlap
 
-__all__ = ["math_reward", "extract_answer", "digit_overlap", "number_match", "final_answer_only",
-           "resolve_reward_function", "RewardComputer"]
+__all__ = ["math_reward", "evaluated_math_reward", "extract_answer", "digit_overlap", "number_match",
+           "final_answer_only", "resolve_reward_function", "RewardComputer"]
 
 
 def __getattr__(name):
-    if name in ("math_reward", "extract_answer"):
+    if name in ("math_reward", "evaluated_math_reward", "extract_answer"):
         from grpo_dist.rewards import math as _math
         return getattr(_math, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + ["math_reward", "extract_answer"])
+    return sorted(list(globals()) + ["math_reward", "evaluated_math_reward", "extract_answer"])

@@ -145,7 +145,7 @@ from grpo_dist.rewards.parser import (
     EVAL_DPS, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
 )
 
-__all__ = ["extract_answer", "math_reward", "is_equivalent", "clean_answer",
+__all__ = ["extract_answer", "math_reward", "evaluated_math_reward", "is_equivalent", "clean_answer",
            "DECIMAL_REL_TOL"]
 
 DECIMAL_REL_TOL = 1e-4     # decimal vs. non-terminating exact value
@@ -866,3 +866,25 @@ def math_reward(completion: str, reference: str) -> float:
         return 1.0 if is_equivalent(answer, ref) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down
         return 0.0
+
+
+# Numbers joined by + - * (\times, \cdot, \div), nothing else: arithmetic left for the grader to do. A fraction
+# (1/2, \frac{1}{2}) is a value.
+_UNEVALUATED_RE = re.compile(
+    r"\(?\s*-?\s*\d+(?:\.\d+)?\s*\)?"
+    r"(?:\s*(?:[-+*]|\\times|\\cdot|\\div)\s*\(?\s*-?\s*\d+(?:\.\d+)?\s*\)?)+")
+
+
+def evaluated_math_reward(completion: str, reference: str) -> float:
+    """math_reward for tasks whose question is itself the arithmetic ("What is 35+20?"): the final answer must be a
+    value, not numbers joined by operators. math_reward grades "35+20" equal to 55, as it should for a derivation
+    ("y = 3+4+2"; a long sum, math-verify does the same), but here that pays for restating the question: SmolLM2-135M
+    learned to answer "The final answer is 35+20" within 8 GRPO steps. A chain that ends in a value ("35+20=55")
+    still counts. Never raises."""
+    try:
+        answer = extract_answer(completion) if isinstance(completion, str) else None
+        if answer is not None and _UNEVALUATED_RE.fullmatch(clean_answer(answer)):
+            return 0.0
+    except Exception:  # noqa: BLE001 - a reward must never take the run down
+        return 0.0
+    return math_reward(completion, reference)
