@@ -77,7 +77,7 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
     sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
     engine = as_rollout_engine(model, cfg, tokenizer)
     sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
-                            eos_ids=tuple(eos_token_ids(getattr(engine, "model", None), tokenizer)),
+                            eos_ids=tuple(eos_token_ids(engine.model, tokenizer)),
                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
     counts = []
     for s in range(0, len(examples), batch_size):
