@@ -107,7 +107,7 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
     must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
     sample_out: see _score_examples (this rank's first completion)."""
-    was_training = getattr(model, "training", False)
+    was_training = isinstance(model, torch.nn.Module) and model.training
     mine = examples[ctx.rank::ctx.world_size]
     counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
                              sample_out=sample_out) if mine else []
