@@ -35,6 +35,7 @@ import torch
 
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
+from grpo_dist.engines import Engine
 
 MANIFEST = "manifest.json"
 LORA_ADAPTER_FILE = "adapter_model.safetensors"
@@ -54,7 +55,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used (missing, incomplete, corrupted, another model) or cannot be written."""
 
 
-def resolve_save_format(save_format: str, num_params: int, engine) -> str:
+def resolve_save_format(save_format: str, num_params: int, engine: Engine) -> str:
     """'full' or 'sharded' for save_format full | sharded | auto (by model size; full where the engine has no
     sharded format)."""
     if save_format == "auto":
@@ -285,7 +286,7 @@ def _save_hf_config(hf_model, out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- save, load
-def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, trainer_state: dict, ctx,
+def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
                     save_format: str = "full", lora_cfg=None, base_name: str | None = None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
@@ -316,8 +317,8 @@ def save_checkpoint(output_dir: str, step: int, engine, hf_model, tokenizer, tra
     except OSError as e:
         error = _write_error(e, ctx.rank)
     del model_sd, optim_sd
-    if hasattr(engine, "save_engine_state"):  # backend-specific state for exact resume (DeepSpeed: deepspeed/)
-        engine.save_engine_state(tmp)  # collective: called on every rank, whatever happened above
+    # backend-specific state for an exact resume (DeepSpeed: deepspeed/); collective: every rank, whatever happened
+    engine.save_engine_state(tmp)
     try:
         torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
         if ctx.is_main:
@@ -398,7 +399,7 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) ->
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
+def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
     """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
     size is unchanged). Returns the trainer state, with `rng_restored` set. The entries a full-state file stores
     only once (tied embeddings) are named by `tied` ({name: [its other names]}, read from the unwrapped model), or
@@ -433,8 +434,7 @@ def load_checkpoint(path: Path, engine, ctx, hf_model=None, tied: dict[str, list
             optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd
-    if hasattr(engine, "load_engine_state"):
-        engine.load_engine_state(path)
+    engine.load_engine_state(path)
     engine.load_scheduler_state(state["scheduler"])
     rng_file = path / f"rng_state_{ctx.rank}.pt"
     state["rng_restored"] = state.get("world_size") == ctx.world_size and rng_file.is_file()

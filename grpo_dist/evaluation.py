@@ -66,7 +66,7 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
     sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
     engine = as_rollout_engine(model, cfg, tokenizer)
     sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
-                            eos_ids=tuple(eos_token_ids(getattr(engine, "model", None), tokenizer)),
+                            eos_ids=tuple(eos_token_ids(engine.model, tokenizer)),
                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
     counts = []
     for s in range(0, len(examples), batch_size):
@@ -96,7 +96,7 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
     must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
     sample_out: see _score_examples (this rank's first completion)."""
-    was_training = getattr(model, "training", False)
+    was_training = isinstance(model, torch.nn.Module) and model.training
     mine = examples[ctx.rank::ctx.world_size]
     counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
                              sample_out=sample_out) if mine else []

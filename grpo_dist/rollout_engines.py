@@ -1,8 +1,11 @@
-"""Rollout engines: what samples the completions, behind one narrow interface used by the trainer and evaluate.
+"""Rollout engines: what samples the completions, behind one narrow interface used by the trainer and evaluate,
+the abstract base class RolloutEngine:
 
     generate(prompt_ids, sampling) -> Generations   completion token ids per row + the sampler's log-prob per token
     sync_weights(named_tensors)                      load the policy's current weights (Engine.iter_full_weights)
-    close()                                          release the engine (before the process group is destroyed)
+    close()                                          release the engine (before the process group is destroyed);
+                                                     by default nothing
+    model                                            the plain model sampled from (lean / hf), else None
 
 Engines (config key `rollout_engine`):
     lean  grpo_dist.decoder.LeanDecoder on a plain per-rank copy of the policy (Qwen2/Qwen3/Llama/Mistral; other
@@ -19,6 +22,7 @@ trainer's own quantity, log softmax(logits / temperature); with them, the filter
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 from dataclasses import dataclass, field
@@ -51,18 +55,26 @@ class Generations:
     logprobs: list[list[float]] = field(default_factory=list)
 
 
-class RolloutEngine:
-    name = "base"
+class RolloutEngine(abc.ABC):
+    """What samples the completions, for the trainer and evaluate: all they call (see the module docstring)."""
 
+    name = "base"  # the config value of rollout_engine, for messages
+    # The plain model it samples from (lean / hf): its generation_config names EOS ids. None where the engine holds
+    # its own copy of the weights (vLLM).
+    model: torch.nn.Module | None = None
+
+    @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Generations:
-        raise NotImplementedError
+        """sampling.n completions of each prompt (token ids, no padding), with the sampler's log-prob of every
+        token. Collective where the engine's ranks generate together (vLLM tensor parallelism)."""
 
+    @abc.abstractmethod
     def sync_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Load (HF parameter name, tensor) pairs, the full model, streamed (Engine.iter_full_weights)."""
-        raise NotImplementedError
+        """Load (HF parameter name, tensor) pairs, the full model, streamed (Engine.iter_full_weights): consume
+        the iterator to its end (every rank gathers every unit)."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027  (optional: nothing to release by default)
+        """Release the engine, before the process group is destroyed. By default there is nothing to release."""
 
 
 def trim_at_eos(ids: list[int], logprobs: list[float], eos_ids) -> tuple[list[int], list[float]]:
@@ -76,6 +88,8 @@ def trim_at_eos(ids: list[int], logprobs: list[float], eos_ids) -> tuple[list[in
 # --------------------------------------------------------------------------------------------- lean and hf
 class ReplicaRolloutEngine(RolloutEngine):
     """grpo_dist.rollout's KV-cached sampling loop on a plain (unsharded) per-rank copy of the policy."""
+
+    model: torch.nn.Module
 
     def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None):
         self.model, self.lean, self.pad_id, self.batch_size = model, lean, pad_id, batch_size

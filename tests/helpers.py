@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 # ------------------------------------------------------------------ the fixed one-step batch (2 ranks vs 1 process)
@@ -99,3 +100,15 @@ def checkpoint_state(ckpt):
         trainer_state.pop(k)
     return (load_file(str(ckpt / "model.safetensors")), torch.load(ckpt / "optimizer.pt", weights_only=False),
             trainer_state)
+
+
+# ------------------------------------------------------------------------------------------------- deepspeed
+
+def need_deepspeed():
+    """Skip without deepspeed; else JIT-build its CPU comm op here (cached in TORCH_EXTENSIONS_DIR, minutes when
+    cold), so that the ranks do not spend their launch timeout compiling it."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and builder.is_compatible():
+        builder.load()

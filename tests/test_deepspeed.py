@@ -12,7 +12,7 @@ import torch
 
 from dist_utils import run_ranks
 from helpers import EQUIV_BASE as BASE
-from helpers import G, PROMPTS, fixed_rollout
+from helpers import G, PROMPTS, fixed_rollout, need_deepspeed
 
 EXAMPLE_ZERO3 = Path(__file__).resolve().parents[1] / "configs" / "deepspeed_zero3.json"
 ENGINES = {
@@ -151,19 +151,9 @@ def _steps(rank, world_size, engine_names):
     return results
 
 
-def _need_deepspeed():
-    """Skip without deepspeed; else JIT-build its CPU comm op here (cached in TORCH_EXTENSIONS_DIR, minutes when
-    cold), so that the ranks do not spend their launch timeout compiling it."""
-    pytest.importorskip("deepspeed")
-    from deepspeed.accelerator import get_accelerator
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and builder.is_compatible():
-        builder.load()
-
-
 @pytest.fixture(scope="module")
 def stepped(tmp_path_factory):
-    _need_deepspeed()
+    need_deepspeed()
     tmp = tmp_path_factory.mktemp("ds_steps")
     # One launch for the three backends (an FSDP and two DeepSpeed engines live in turn in the same processes).
     return run_ranks(_steps, 2, tmp, list(ENGINES), timeout=600)[0]
@@ -225,7 +215,7 @@ def _run_then_resume(rank, world_size, out_dir, stages):
 
 
 def test_deepspeed_checkpoints_load_in_hf_and_resume_exactly(tmp_path):
-    _need_deepspeed()
+    need_deepspeed()
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

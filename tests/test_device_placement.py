@@ -71,7 +71,7 @@ def _setup(rank, world, model_dir, meta_buffers):
     from grpo_dist.config import load_config
     from grpo_dist.decoder import LeanDecoder
     from grpo_dist.distributed import init_distributed
-    from grpo_dist.engines.fsdp import clean_name
+    from grpo_dist.engines import clean_name
     from grpo_dist.trainer import GRPOTrainer
     ctx = init_distributed(120)
     cfg = load_config(None, [f"model.name_or_path={model_dir}", "beta=0.04", "reward_workers=0", "report_to=[]",

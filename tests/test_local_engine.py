@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from grpo_dist.engines.fsdp import clean_name
+from grpo_dist.engines import clean_name
 
 from dist_utils import run_ranks
 from helpers import resume_trainer, tensors_equal

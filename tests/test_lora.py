@@ -31,7 +31,7 @@ def _set_lora_b(trainer, scale=0.05):
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from grpo_dist.engines.fsdp import clean_name
+    from grpo_dist.engines import clean_name
     m = trainer.engine.module
     full = FSDP.summon_full_params(m, writeback=True) if isinstance(m, FSDP) else contextlib.nullcontext()
     with full, torch.no_grad():

@@ -122,7 +122,7 @@ def _rank0_load(rank, world_size, model_dir):
 
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
-    from grpo_dist.engines.fsdp import clean_name
+    from grpo_dist.engines import clean_name
     from grpo_dist.models import load_on_rank0_only
     from grpo_dist.trainer import GRPOTrainer
     ctx = init_distributed(120)

@@ -140,7 +140,7 @@ def _perturb_reference(trainer, scale=0.05):
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from grpo_dist.engines.fsdp import clean_name
+    from grpo_dist.engines import clean_name
     ref = trainer.ref_model
     full = FSDP.summon_full_params(ref, writeback=True) if isinstance(ref, FSDP) else contextlib.nullcontext()
     with full, torch.no_grad():

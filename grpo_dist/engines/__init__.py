@@ -1,13 +1,24 @@
 """Training engines: the narrow interface between the GRPO algorithm and whatever shards the model.
 
-The trainer only ever calls the methods of `Engine` (forward through `engine.module`, backward, step, weights for
-generation, full state for checkpoints); FSDP is the default implementation, DeepSpeed ZeRO the alternative.
+The trainer and checkpoint.py only ever call the methods of the abstract base class `Engine` (forward through
+`engine.module`, backward, step, weights for generation, full state for checkpoints). Implementations:
+    engines/fsdp.py       FSDPEngine       FSDP (the default backend)
+    engines/local.py      LocalEngine      one full-precision process, no wrapper (build_engine picks it)
+    engines/deepspeed.py  DeepSpeedEngine  DeepSpeed ZeRO-2 / ZeRO-3
+FSDPEngine and LocalEngine share engines/torch_engine.py (TorchEngine: torch's own optimizer step and DCP
+checkpoints). What every engine builds the same way is here: activation checkpointing (checkpoint_layers), AdamW
+(adamw), the LR schedule (lr_schedule) and the configured optimizer settings after a resume
+(apply_optimizer_settings).
 """
 
 from __future__ import annotations
 
+import abc
+import functools
 from dataclasses import dataclass
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -18,72 +29,106 @@ class StepResult:
     applied: bool  # False when the step was skipped (non-finite loss or gradients on some rank)
 
 
-class Engine:
-    """What the trainer needs from a backend. Every method that talks to other ranks must be called on all ranks."""
+class Engine(abc.ABC):
+    """What the trainer and checkpoint.py need from a training backend, and all they call.
+
+    Every engine sets, in its __init__:
+        module     the policy as the trainer runs it: forward, and `engine.backward` of a loss computed from it
+        optimizer  the optimizer whose state the checkpoints hold (DeepSpeed: its ZeRO wrapper of the AdamW)
+        scheduler  the LR schedule (lr_schedule); scheduler.optimizer is the torch AdamW whose param groups carry
+                   the learning rate the step uses
+    Abstract methods are what a backend must provide; the others are defaults a backend may override (sharded
+    checkpoints, backend state for an exact resume). A method marked Collective must be called on every rank, in
+    the same order.
+    """
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR
 
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+
+    # ------------------------------------------------------------------------------------------------ wrapping
+    @abc.abstractmethod
+    def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard a frozen model (no grads, no optimizer state) the same way as the policy. Collective."""
+
+    # ------------------------------------------------------------------------------------------------- update
+    @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Accumulate the gradients of `loss` (a micro-batch's, already scaled by the trainer); averaged over ranks
+        by the time step() applies them."""
 
+    @abc.abstractmethod
     def step(self, skip: bool = False) -> StepResult:
-        """Clip, then apply the optimizer and LR schedule, unless `skip` or the grad norm is not finite."""
-        raise NotImplementedError
+        """Clip to max_grad_norm, then apply the optimizer and advance the LR schedule, unless `skip` or the
+        global grad norm is not finite (then nothing moves: weights, moments, step count, schedule). Clears the
+        gradients either way. Collective."""
 
     def current_lr(self) -> float:
-        raise NotImplementedError
+        """The learning rate the next step uses."""
+        return self.scheduler.optimizer.param_groups[0]["lr"]
 
-    def copy_weights_to(self, replica: torch.nn.Module) -> None:
-        """Write the full current weights into a plain (unsharded) model used for generation. Collective."""
-        copy_named_weights(replica, self.iter_full_weights())
-
+    # ---------------------------------------------------------------------------------------------- generation
+    @abc.abstractmethod
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The full current weights as (HF parameter name, tensor), gathered one unit at a time and cast to dtype
         (None: as stored), so that no rank ever holds the whole unsharded model in fp32. Each tensor is valid only
         until the next one is requested (copy it). Tied weights come once, under their first name. Collective:
         every rank must exhaust the iterator."""
-        raise NotImplementedError
 
-    def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard a frozen model (no grads, no optimizer state) the same way as the policy."""
-        raise NotImplementedError
+    def copy_weights_to(self, replica: torch.nn.Module) -> None:
+        """Write the full current weights into a plain (unsharded) model used for generation. Collective."""
+        copy_named_weights(replica, self.iter_full_weights())
 
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    @abc.abstractmethod
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
-        """(model state dict, optimizer state dict) on rank 0, (None, None) elsewhere. Collective."""
-        raise NotImplementedError
+        """(model state dict with plain HF names and full tensors, optimizer state dict) on rank 0, (None, None)
+        elsewhere. Collective."""
 
+    @abc.abstractmethod
     def load_full_state(self, model_state: dict | None, optim_state: dict | None) -> None:
-        """Inverse of gather_full_state: rank 0 passes the dicts, the others None. Collective."""
-        raise NotImplementedError
+        """Inverse of gather_full_state: rank 0 passes the dicts, the others None. The engine may keep the passed
+        tensors as its own (and update them in later steps): pass copies of state that must stay. Collective."""
+
+    def supports_sharded(self) -> bool:
+        """Whether save_sharded / load_sharded exist (save_format=sharded); the default engine has only full
+        checkpoints."""
+        return False
 
     def save_sharded(self, path) -> None:
-        """Optional (save_format=sharded): write model + optimizer state as a torch.distributed.checkpoint (DCP)
-        directory at `path`, every rank its own shards, nothing gathered. Collective. The model entries must be
-        under "model." with the plain HF parameter names, so export_checkpoint can read them."""
-        raise NotImplementedError
+        """Optional (save_format=sharded; see supports_sharded): write model + optimizer state as a
+        torch.distributed.checkpoint (DCP) directory at `path`, every rank its own shards, nothing gathered.
+        Collective. The model entries must be under "model." with the plain HF parameter names, so
+        export_checkpoint can read them."""
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format")
 
     def load_sharded(self, path) -> None:
         """Inverse of save_sharded, also at another world size (DCP reshards). Collective."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format")
 
-    # Optional, called by checkpoint.py when an engine defines them (DeepSpeed does): save_engine_state(ckpt_dir)
-    # adds backend-specific state for an exact resume next to the HF files; load_engine_state(ckpt_dir) restores it
-    # after load_full_state. Both collective.
+    def save_engine_state(self, ckpt_dir: Path) -> None:  # noqa: B027  (optional: no state by default)
+        """Backend-specific state for an exact resume, written into the checkpoint directory next to the HF files
+        (DeepSpeed: its partitioned optimizer under deepspeed/). Called on every save; by default there is none.
+        Collective."""
 
-    def supports_sharded(self) -> bool:
-        return type(self).save_sharded is not Engine.save_sharded
+    def load_engine_state(self, ckpt_dir: Path) -> bool:
+        """Restore what save_engine_state wrote, after load_full_state / load_sharded. True if such state was
+        loaded; by default there is none. Collective."""
+        return False
 
     def scheduler_state(self) -> dict:
-        raise NotImplementedError
+        """The LR schedule's state (its position) for trainer_state.json."""
+        return self.scheduler.state_dict()
 
     def load_scheduler_state(self, state: dict) -> None:
-        raise NotImplementedError
+        self.scheduler.load_state_dict(state)
 
     def apply_optimizer_settings(self, cfg) -> None:
         """After a resume: the configured AdamW settings and LR schedule replace the checkpoint's."""
-        apply_optimizer_settings(getattr(self, "base_optimizer", None) or self.optimizer, self.scheduler, cfg)
+        apply_optimizer_settings(self.scheduler.optimizer, self.scheduler, cfg)
 
 
 @torch.no_grad()
@@ -103,6 +148,27 @@ def copy_named_weights(replica: torch.nn.Module, weights) -> int:
     return len(written)
 
 
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """Parameter name as the plain HF model spells it (without FSDP / checkpoint wrapper prefixes)."""
+    for p in _WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+def checkpoint_layers(module: torch.nn.Module, layer_classes) -> None:
+    """Activation checkpointing: every decoder layer recomputed in the backward pass (torch's non-reentrant
+    wrapper, on every engine: HF's gradient_checkpointing_enable is off in eval mode, where the policy runs)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    layers = tuple(layer_classes)
+    apply_activation_checkpointing(
+        module, check_fn=lambda m: isinstance(m, layers),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
 def lr_lambda(warmup_steps: int, total_steps: int, kind: str):
     """Multiplier of the base LR at optimizer step s: linear warmup, then constant / linear / cosine decay to 0."""
     import math
@@ -117,18 +183,25 @@ def lr_lambda(warmup_steps: int, total_steps: int, kind: str):
     return f
 
 
-def adamw_with_schedule(cfg, params):
-    """AdamW from learning_rate / adam_* / weight_decay, and its LR schedule over max_steps x num_iterations."""
+_AdamW = TypeVar("_AdamW", bound=torch.optim.AdamW)
+
+
+def adamw(cfg, params, optimizer_class: type[_AdamW], allow_fused: bool = True) -> _AdamW:
+    """An AdamW (torch.optim.AdamW, or a subclass: DeepSpeed's holdable one) from learning_rate / adam_* /
+    weight_decay over params."""
     params = list(params)
     # the fused kernels (CPU and CUDA): the reference benchmark's optimizer step took 2.2 ms
     # instead of 8.0 ms with the per-parameter loop (bench/README.md)
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, fused=fused or None)
+    fused = allow_fused and bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                                                 for p in params)
+    return optimizer_class(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                           eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, fused=fused or None)
+
+
+def lr_schedule(cfg, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of warmup_steps / lr_scheduler_type over max_steps x num_iterations optimizer steps."""
     total = cfg.max_steps * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total,
-                                                                       cfg.lr_scheduler_type))
-    return optimizer, scheduler
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total, cfg.lr_scheduler_type))
 
 
 OPTIMIZER_KEYS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")

@@ -25,7 +25,6 @@ engine is built, so the config helpers below work without it.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import logging
 import math
@@ -38,9 +37,8 @@ import torch.distributed as dist
 
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
-from grpo_dist.engines import Engine, StepResult, lr_lambda
-from grpo_dist.engines.fsdp import clean_name
-from grpo_dist.models import decoder_layer_classes
+from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.models import cast_parameters_, decoder_layer_classes
 
 ENGINE_STATE_DIR = "deepspeed"  # inside checkpoint-<step>/
 _TAG = "state"
@@ -189,8 +187,8 @@ class DeepSpeedEngine(Engine):
     module: Any  # a deepspeed.DeepSpeedEngine (deepspeed has no type hints)
 
     def __init__(self, cfg, model: torch.nn.Module, ctx):
+        super().__init__(cfg, ctx)
         self.ds_lib = import_deepspeed()
-        self.cfg, self.ctx = cfg, ctx
         self.ds_config = build_deepspeed_config(cfg, ctx.world_size, getattr(model.config, "hidden_size", None))
         self.stage = self.ds_config["zero_optimization"]["stage"]
         self.mixed = self.ds_config["bf16"]["enabled"] or self.ds_config["fp16"]["enabled"]
@@ -198,26 +196,17 @@ class DeepSpeedEngine(Engine):
             self.ds_lib.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         if cfg.distributed.activation_checkpointing:
-            # torch's wrapper, as the FSDP engine does (HF's gradient_checkpointing_enable is off in eval mode)
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-            layers = tuple(decoder_layer_classes(model))
-            apply_activation_checkpointing(
-                model, check_fn=lambda m: isinstance(m, layers),
-                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        self.base_optimizer = _HoldableAdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+            checkpoint_layers(model, decoder_layer_classes(model))
+        # torch's default AdamW kernels, as before: the fused ones are untried on DeepSpeed's flat fp32 partitions
+        self.base_optimizer = adamw(cfg, [p for p in model.parameters() if p.requires_grad], _HoldableAdamW,
+                                    allow_fused=False)
         self.module, self.optimizer, _, _ = self.ds_lib.initialize(
             model=model, optimizer=self.base_optimizer, config=copy.deepcopy(self.ds_config),
             dist_init_required=False)
         self.module.module.eval()
         # DeepSpeed rewrites the param groups of the base optimizer in place (flat fp32 partitions), keeping the
         # group dicts, so the schedule set on them is the one the partitioned step reads.
-        total = cfg.max_steps * cfg.num_iterations
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.base_optimizer, lr_lambda(cfg.warmup_steps, total, cfg.lr_scheduler_type))
+        self.scheduler = lr_schedule(cfg, self.base_optimizer)
 
     # ------------------------------------------------------------------------------------------------ wrapping
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -229,11 +218,7 @@ class DeepSpeedEngine(Engine):
             # policy's stay (DeepSpeed casts parameters only): the KL at step 0 is then exactly 0.
             low = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else \
                 torch.float16 if self.ds_config["fp16"]["enabled"] else None
-            if low is not None:
-                for p in model.parameters():
-                    if p.is_floating_point():
-                        p.data = p.data.to(low)
-            return model
+            return cast_parameters_(model, low)
         # ZeRO-3 inference: partitioned like the policy, no optimizer.
         ref_cfg = {k: v for k, v in self.ds_config.items() if k not in ("gradient_clipping",)}
         ref, *_ = self.ds_lib.initialize(model=model, config=copy.deepcopy(ref_cfg), dist_init_required=False)
@@ -257,9 +242,6 @@ class DeepSpeedEngine(Engine):
         if applied:
             self.scheduler.step()
         return StepResult(grad_norm=grad_norm, applied=applied)
-
-    def current_lr(self) -> float:
-        return self.base_optimizer.param_groups[0]["lr"]
 
     # ------------------------------------------------------------------------------------------- full weights
     def _param_chunks(self, remove_duplicate: bool = True):
@@ -357,9 +339,3 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load its checkpoint from {d}")
         return True
-
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_scheduler_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import warnings
 
 import torch
@@ -13,28 +11,9 @@ from torch.distributed.fsdp import (CPUOffload, FullOptimStateDictConfig, FullSt
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from grpo_dist.engines import Engine, StepResult, adamw_with_schedule
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, decoder_layer_classes, load_on_rank0_only,
-                              materialize_meta)
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    """Parameter name as the plain HF model spells it (without FSDP / checkpoint wrapper prefixes)."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
-
-
-@contextlib.contextmanager
-def _quiet_sharded_warnings():
-    """FSDP1's sharded state dicts warn on every call (deprecations inside torch, not actionable here)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
-        yield
-
+from grpo_dist.engines import clean_name
+from grpo_dist.engines.torch_engine import TorchEngine
+from grpo_dist.models import MIXED_PRECISION_DTYPES, cast_parameters_, load_on_rank0_only, materialize_meta
 
 # Below this many parameters the whole model is one FSDP unit under fsdp_wrap=auto. Unsharded it takes < 400 MB in
 # fp32 (torch's size_based_auto_wrap_policy uses the same 1e8 as its default unit size). Per-layer units there add a
@@ -51,28 +30,8 @@ def wrap_units(model: torch.nn.Module, setting: str) -> str:
     return "model" if sum(p.numel() for p in model.parameters()) < WHOLE_MODEL_UNIT_BELOW else "layer"
 
 
-def checkpoint_layers(module: torch.nn.Module, layer_classes) -> None:
-    """Activation checkpointing: every decoder layer recomputed in the backward pass (torch's non-reentrant
-    wrapper)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-    layers = tuple(layer_classes)
-    apply_activation_checkpointing(
-        module, check_fn=lambda m: isinstance(m, layers),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-
-
-class FSDPEngine(Engine):
-    def __init__(self, cfg, model: torch.nn.Module, ctx):
-        self.cfg, self.ctx = cfg, ctx
-        dcfg = cfg.distributed
-        self._layer_classes = decoder_layer_classes(model)
-        model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
-        self.module = self._wrap(model, trainable=True)
-        if dcfg.activation_checkpointing:
-            checkpoint_layers(self.module, self._layer_classes)
-        self.optimizer, self.scheduler = adamw_with_schedule(
-            cfg, [p for p in self.module.parameters() if p.requires_grad])
+class FSDPEngine(TorchEngine):
+    """Policy and reference as FSDP units (use_orig_params); full weights and state are gathered unit by unit."""
 
     # ------------------------------------------------------------------------------------------------ wrapping
     def _wrap(self, model: torch.nn.Module, trainable: bool) -> FSDP:
@@ -139,40 +98,12 @@ class FSDPEngine(Engine):
         return self._wrap(model, trainable=False)
 
     # ------------------------------------------------------------------------------------------------- update
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self, skip: bool = False) -> StepResult:
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-        grad_norm = self._clip_grad_norm(max_norm)
-        applied = not skip and math.isfinite(grad_norm)
-        if applied:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=grad_norm, applied=applied)
-
     def _clip_grad_norm(self, max_norm: float) -> float:
         return float(self.module.clip_grad_norm_(max_norm))  # type: ignore[operator]  # global norm over all shards: same on all ranks
 
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
     # ---------------------------------------------------------------------------------------------- generation
     def _full_params(self):
-        """Context in which self.module's named parameters are the full (unsharded) weights."""
         return FSDP.summon_full_params(self.module, writeback=False, recurse=True)
-
-    @torch.no_grad()
-    def _merged_lora_weights(self, dtype: torch.dtype | None):
-        """LoRA: the plain model's weights, W + (alpha / r) B A, for the generation copy and vLLM. The adapters are
-        FSDP units of their own, so a layer's base weight and its A, B are gathered together (the whole model at
-        once: with LoRA the trainable part is small, and the base model is what a merge needs anyway)."""
-        from grpo_dist.lora import merged, scaling
-        with self._full_params():
-            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in self.module.named_parameters()}
-            for name, t in merged(full, scaling(self.cfg.lora)).items():
-                yield name, t.detach() if dtype is None else t.detach().to(dtype)
 
     def iter_full_weights(self, dtype: torch.dtype | None = None):
         """One FSDP unit at a time (a decoder layer, or the root's embeddings, norm and head; the whole model under
@@ -218,28 +149,3 @@ class FSDPEngine(Engine):
         if optim_state is not None or not self.ctx.is_main:
             set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
                                      options=opts)
-
-    def _sharded_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # this rank's shards, plain FQNs
-        return {"model": model_sd, "optim": optim_sd}
-
-    def save_sharded(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
-        with _quiet_sharded_warnings():
-            dcp.save(self._sharded_state(), checkpoint_id=str(path))
-
-    def load_sharded(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        with _quiet_sharded_warnings():
-            state = self._sharded_state()  # the shapes and shards to read into
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_scheduler_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)

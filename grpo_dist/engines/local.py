@@ -7,7 +7,7 @@ directory), so a run can resume on more ranks under FSDP and the other way round
 FSDP engine stays in charge even on one rank (its MixedPrecision semantics: bf16 compute, fp32 master weights).
 
 Everything that does not depend on the wrapper (backward, the optimizer step, LR schedule, DCP save/load, the
-replica refresh) is FSDPEngine's own code; only wrapping, gradient clipping and full-state gathering differ.
+LoRA merge) is TorchEngine's, shared with FSDPEngine; only wrapping, gradient clipping and gathering differ.
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ import contextlib
 
 import torch
 
-from grpo_dist.engines import adamw_with_schedule
-from grpo_dist.engines.fsdp import FSDPEngine, checkpoint_layers, clean_name
-from grpo_dist.models import decoder_layer_classes
+from grpo_dist.engines import clean_name
+from grpo_dist.engines.torch_engine import TorchEngine
 
 
-class LocalEngine(FSDPEngine):
-    def __init__(self, cfg, model: torch.nn.Module, ctx):  # no FSDPEngine.__init__: nothing to wrap
-        self.cfg, self.ctx = cfg, ctx
-        model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
-        self.module = model
-        if cfg.distributed.activation_checkpointing:
-            checkpoint_layers(model, decoder_layer_classes(model))
-        self.optimizer, self.scheduler = adamw_with_schedule(cfg, [p for p in model.parameters() if p.requires_grad])
+class LocalEngine(TorchEngine):
+    def _wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+        return model  # nothing to shard
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.requires_grad_(False).eval()

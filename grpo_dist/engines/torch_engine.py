@@ -1,0 +1,103 @@
+"""What the FSDP engine and the local (unwrapped) engine share: torch's own optimizer step and DCP checkpoints.
+
+The two differ only in wrapping (FSDP units or none), gradient clipping, how full weights and full state are
+gathered; everything else (backward, the optimizer step and LR schedule, sharded checkpoints, the LoRA merge) is
+TorchEngine's, so that their steps and checkpoints stay the same files and the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import warnings
+
+import torch
+
+from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.models import decoder_layer_classes
+
+
+@contextlib.contextmanager
+def _quiet_sharded_warnings():
+    """FSDP1's sharded state dicts warn on every call (deprecations inside torch, not actionable here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends are registered).*")
+        yield
+
+
+class TorchEngine(Engine):
+    """An engine whose policy is a torch module (wrapped by the subclass, or not) and whose AdamW step runs here.
+    Subclasses say how to wrap (_wrap), clip (_clip_grad_norm) and see full parameters (_full_params)."""
+
+    def __init__(self, cfg, model: torch.nn.Module, ctx):
+        super().__init__(cfg, ctx)
+        self._layer_classes = decoder_layer_classes(model)
+        model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
+        self.module = self._wrap(model, trainable=True)
+        if cfg.distributed.activation_checkpointing:
+            checkpoint_layers(self.module, self._layer_classes)
+        self.optimizer = adamw(cfg, [p for p in self.module.parameters() if p.requires_grad], torch.optim.AdamW)
+        self.scheduler = lr_schedule(cfg, self.optimizer)
+
+    @abc.abstractmethod
+    def _wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+        """The policy (trainable) or the reference as this engine runs it."""
+
+    @abc.abstractmethod
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to max_norm; the global norm before clipping, the same on every rank."""
+
+    @abc.abstractmethod
+    def _full_params(self) -> contextlib.AbstractContextManager:
+        """Context in which self.module's named parameters are the full (unsharded) weights."""
+
+    # ------------------------------------------------------------------------------------------------- update
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, skip: bool = False) -> StepResult:
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
+        grad_norm = self._clip_grad_norm(max_norm)
+        applied = not skip and math.isfinite(grad_norm)
+        if applied:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm=grad_norm, applied=applied)
+
+    # ---------------------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def _merged_lora_weights(self, dtype: torch.dtype | None):
+        """LoRA: the plain model's weights, W + (alpha / r) B A, for the generation copy and vLLM. Under FSDP the
+        adapters are units of their own, so a layer's base weight and its A, B are gathered together (the whole
+        model at once: with LoRA the trainable part is small, and the base model is what a merge needs anyway)."""
+        from grpo_dist.lora import merged, scaling
+        with self._full_params():
+            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in self.module.named_parameters()}
+            for name, t in merged(full, scaling(self.cfg.lora)).items():
+                yield name, t.detach() if dtype is None else t.detach().to(dtype)
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def supports_sharded(self) -> bool:
+        return True
+
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # this rank's shards, plain FQNs
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_sharded(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        with _quiet_sharded_warnings():
+            dcp.save(self._sharded_state(), checkpoint_id=str(path))
+
+    def load_sharded(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        with _quiet_sharded_warnings():
+            state = self._sharded_state()  # the shapes and shards to read into
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
