@@ -131,11 +131,18 @@ def test_no_eval_in_source():
     ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),              # a fraction is a value
     ("The final answer is 1/2", "\\frac{1}{2}", 1.0),
     ("\\boxed{-5}", "-5", 1.0),
-    ("\\boxed{x+1}", "x+1", 1.0),                     # not numbers only: graded as math_reward does
+    ("\\boxed{x+1}", "x+1", 1.0),                     # not a number: graded as math_reward does
+    ("\\boxed{x+1}", "1+x", 1.0),
     ("The final answer is 54.", "55", 0.0),
+    ("35+20=N", "55", 0.0),                          # an equation in a label: math_reward solves it
+    ("The final answer is N = 55.", "55", 1.0),
+    ("The final answer is $55$ apples.", "55", 1.0),
+    ("The final answer is 1,055.", "1055", 1.0),
+    ("The final answer is 0.50", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\sqrt{4}}", "2", 0.0),
 ])
 def test_evaluated_math_reward_refuses_arithmetic_left_undone(completion, reference, expected):
     from grpo_dist.rewards import evaluated_math_reward
     assert evaluated_math_reward(completion, reference) == expected
-    if expected == 0.0 and "54" not in completion:  # every refusal here is an answer math_reward accepts
+    if expected == 0.0 and "54" not in completion:  # every other refusal is an answer math_reward accepts
         assert math_reward(completion, reference) == 1.0

@@ -868,23 +868,25 @@ def math_reward(completion: str, reference: str) -> float:
         return 0.0
 
 
-# Numbers joined by + - * (\times, \cdot, \div), nothing else: arithmetic left for the grader to do. A fraction
-# (1/2, \frac{1}{2}) is a value.
-_UNEVALUATED_RE = re.compile(
-    r"\(?\s*-?\s*\d+(?:\.\d+)?\s*\)?"
-    r"(?:\s*(?:[-+*]|\\times|\\cdot|\\div)\s*\(?\s*-?\s*\d+(?:\.\d+)?\s*\)?)+")
+# A value written out: a number, or a fraction of two integers (1/2, \frac{1}{2}), with an optional sign.
+_WRITTEN_VALUE_RE = re.compile(r"-?\s*(?:\d+(?:\.\d+)?|\d+\s*/\s*\d+|\\frac\{\s*\d+\s*\}\{\s*\d+\s*\})")
 
 
 def evaluated_math_reward(completion: str, reference: str) -> float:
-    """math_reward for tasks whose question is itself the arithmetic ("What is 35+20?"): the final answer must be a
-    value, not numbers joined by operators. math_reward grades "35+20" equal to 55, as it should for a derivation
-    ("y = 3+4+2"; a long sum, math-verify does the same), but here that pays for restating the question: SmolLM2-135M
-    learned to answer "The final answer is 35+20" within 8 GRPO steps. A chain that ends in a value ("35+20=55")
-    still counts. Never raises."""
+    """math_reward for tasks whose question is itself the arithmetic ("What is 35+20?"), when the reference is a
+    number: the final answer (the last side of a chain "a = b = c") must be that number written out. math_reward
+    grades "35+20" and "35+20=N" equal to 55, as it should for a derivation or a labelled answer (math-verify does
+    the same), but here that pays for restating the question: SmolLM2-135M learned both within 8 GRPO steps. A
+    chain that ends in the value ("35+20=55") still counts. Other references are graded as math_reward does.
+    Never raises."""
     try:
-        answer = extract_answer(completion) if isinstance(completion, str) else None
-        if answer is not None and _UNEVALUATED_RE.fullmatch(clean_answer(answer)):
+        if not isinstance(completion, str) or not isinstance(reference, str):
             return 0.0
+        if _WRITTEN_VALUE_RE.fullmatch(clean_answer(_reference_answer(reference))):
+            answer = extract_answer(completion)
+            last = clean_answer(answer).split("=")[-1].strip() if answer is not None else ""
+            if not _WRITTEN_VALUE_RE.fullmatch(last):
+                return 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down
         return 0.0
     return math_reward(completion, reference)
