@@ -882,11 +882,12 @@ def evaluated_math_reward(completion: str, reference: str) -> float:
     try:
         if not isinstance(completion, str) or not isinstance(reference, str):
             return 0.0
-        if _WRITTEN_VALUE_RE.fullmatch(clean_answer(_reference_answer(reference))):
-            answer = extract_answer(completion)
-            last = clean_answer(answer).split("=")[-1].strip() if answer is not None else ""
-            if not _WRITTEN_VALUE_RE.fullmatch(last):
-                return 0.0
+        answer, ref = extract_answer(completion), _reference_answer(reference)
+        if answer is None or not ref:
+            return 0.0
+        last_side = clean_answer(answer).split("=")[-1].strip()
+        if _WRITTEN_VALUE_RE.fullmatch(clean_answer(ref)) and not _WRITTEN_VALUE_RE.fullmatch(last_side):
+            return 0.0
+        return 1.0 if is_equivalent(answer, ref) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down
         return 0.0
-    return math_reward(completion, reference)
