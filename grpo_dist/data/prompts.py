@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_dist.config import DataConfig
+from grpo_dist.config import DataConfig, short
 from grpo_dist.data.examples import DataError, PromptExample
 
 
 def template_problems(template) -> list[str]:
     """The problem of a data.prompt_template without its one placeholder, '{prompt}' (none when it has it)."""
     if not isinstance(template, str) or "{prompt}" not in template:
-        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {template!r}"]
+        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {short(template)}"]
     return []
 
 

@@ -1,0 +1,116 @@
+"""Input that used to get through: values that cannot be right are refused at start with one line naming the key
+(or file and row) and exit 2, by `python -m grpo_dist.config --check` and by the trainer's start alike; row text
+reaches the model as text, never as the chat template's control tokens."""
+
+import json
+
+import pytest
+
+from grpo_dist import train
+from grpo_dist.config import ConfigError, load_config, main
+
+TINY = "model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4}"
+MATH = "grpo_dist.rewards:math_reward"
+
+
+def _check(capsys, *args) -> tuple[int, list[str]]:
+    """`python -m grpo_dist.config --check ...`: exit code and the problem lines."""
+    code = main(["--check", *args])
+    return code, [line.strip() for line in capsys.readouterr().err.splitlines()[1:]]
+
+
+def _start(capsys, *args) -> tuple[int, list[str]]:
+    """The trainer's start (grpo_dist.train.main), up to where it refuses the config: exit code and stderr lines."""
+    code = train.main(list(args))
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+# (override(s), what the one line must say)
+BAD_VALUES = [
+    ("output_dir=", "config key 'output_dir' is empty"),
+    ("temperature=inf", "config key 'temperature' must be a finite number, got inf"),
+    ("temperature=-0.5", "config key 'temperature' must be > 0"),
+    ("reward_timeout_s=inf", "config key 'reward_timeout_s' must be a finite number, got inf"),
+    ("reward_timeout_s=1e9", "config key 'reward_timeout_s' must be at most 86400"),
+    (f"rewards=[{{function: '{MATH}', weight: nan}}]", "config key 'rewards[0].weight' must be a finite number"),
+    (f"rewards=[{{function: '{MATH}', weight: -1e308}}]", "config key 'rewards[0].weight' must be a finite number"),
+    (f"rewards=[{{function: '{MATH}', weight: 2.0e+6}}]", "|weight| <= 1000000, got 2000000.0"),
+    ("epsilon=.inf", "config key 'epsilon' must be a finite number, got inf"),
+    ("vllm.kv_cache_gb=.inf", "config key 'vllm.kv_cache_gb' must be a finite number"),
+    ("model.tiny={rope_theta: .inf}", "config key 'model.tiny.rope_theta' must be a finite number"),
+    ((TINY.replace("}", ", max_position_embeddings: 1024}"), "max_completion_length=100000"),
+     "'data.max_prompt_length' + 'max_completion_length' = 512 + 100000 = 100512 tokens exceed the model's 1024 "
+     "positions (model.tiny.max_position_embeddings)"),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("override,needle", BAD_VALUES, ids=[str(b[0])[:24] for b in BAD_VALUES])
+def test_bad_values_are_refused_by_check_and_by_the_trainer_start(capsys, override, needle):
+    args = [override] if isinstance(override, str) else list(override)
+    code, lines = _check(capsys, "none", *args)
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+    code, lines = _start(capsys, *args)
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert lines[0].startswith("grpo_dist: config error: command line: ")
+
+
+@pytest.mark.fast
+def test_good_neighbours_of_the_bad_values_still_load():
+    cfg = load_config(None, ["output_dir=.", "temperature=1e-3", "reward_timeout_s=86400", "epsilon=10",
+                             f"rewards=[{{function: '{MATH}', weight: -1e6}}, {{function: '{MATH}', weight: 0}}]",
+                             TINY, "max_completion_length=512"])
+    assert cfg.output_dir == "." and float(cfg.rewards[0]["weight"]) == -1e6
+
+
+def _deep_yaml(path):
+    path.write_text("max_steps: 1\nmodel:\n  tiny: " + "[" * 100000 + "\n")
+
+
+def _anchor_bomb(path):
+    """Billion laughs: 9 aliases of 9 aliases ... 9^8 = 43 million strings from a 300-byte file."""
+    lines = ["a: &a [" + ",".join(["lol"] * 9) + "]"]
+    for prev, name in zip("abcdefg", "bcdefgh"):
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    lines.append("lora: {target_modules: *h}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("make,needle", [(_deep_yaml, "YAML nested more than 100 levels deep (line 3)"),
+                                         (_anchor_bomb, "YAML expands to more than 100000 values")])
+def test_hostile_yaml_is_one_line_naming_the_file(tmp_path, capsys, make, needle):
+    f = tmp_path / "c.yaml"
+    make(f)
+    code, lines = _check(capsys, str(f))
+    assert code == 2 and lines == [f"{f}: {lines[0].split(': ', 1)[1]}"] and needle in lines[0], lines
+    code, lines = _start(capsys, "--config", str(f))
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"grpo_dist: config error: {f}: "), lines
+    assert needle in lines[0] and len(lines[0]) < 300
+
+
+@pytest.mark.fast
+def test_hostile_yaml_on_the_command_line_is_named(capsys):
+    code, lines = _check(capsys, "none", "model.tiny=" + "[" * 100000)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("override 'model.tiny=[[[["), lines
+    assert "YAML nested more than 100 levels deep" in lines[0] and len(lines[0]) < 300
+
+
+@pytest.mark.fast
+def test_no_message_prints_an_unbounded_value(tmp_path, capsys):
+    """1 MB values and keys, a 5000-digit integer, a multi-line override: every message is one short line."""
+    huge = "x" * 1_000_000
+    f = tmp_path / "c.yaml"
+    f.write_text(json.dumps({"loss_type": huge, "rewards": [{"function": huge}], "report_to": [huge],
+                             "model": {"tiny": {"architecture": huge}}}))
+    overrides = [f"{huge}=1", f"model.{huge}=1", "data.prompt_template=" + huge, "\n".join(["beta"] * 1000)]
+    code, lines = _check(capsys, str(f), *overrides)
+    assert code == 2 and len(lines) == 7 and all("more chars]" in line for line in lines), lines
+    assert all(len(line) < 400 for line in lines if "allowed keys here" not in line), [len(x) for x in lines]
+    with pytest.raises(ConfigError) as e:
+        load_config(f, overrides)
+    assert len(e.value.problems) == 7 and all(len(p) <= 2000 for p in e.value.problems)
+    assert all("\n" not in p for p in e.value.problems) and len(str(e.value)) < 400
+    f.write_text("seed: " + "9" * 5000 + "\n")
+    code, lines = _check(capsys, str(f))
+    assert code == 2 and len(lines) == 1 and "ValueError: Exceeds the limit (4300 digits)" in lines[0], lines
