@@ -114,3 +114,13 @@ def test_no_message_prints_an_unbounded_value(tmp_path, capsys):
     f.write_text("seed: " + "9" * 5000 + "\n")
     code, lines = _check(capsys, str(f))
     assert code == 2 and len(lines) == 1 and "ValueError: Exceeds the limit (4300 digits)" in lines[0], lines
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("make", [_deep_yaml, _anchor_bomb])
+def test_deepspeed_yaml_is_bounded_like_the_config(tmp_path, make):
+    from grpo_dist.engines.deepspeed import load_deepspeed_file
+    f = tmp_path / "ds.yaml"
+    make(f)
+    with pytest.raises(ConfigError, match=r"ds.yaml: YAML (nested more than 100|expands to more than 100000)"):
+        load_deepspeed_file(str(f))
