@@ -124,3 +124,73 @@ def test_deepspeed_yaml_is_bounded_like_the_config(tmp_path, make):
     make(f)
     with pytest.raises(ConfigError, match=r"ds.yaml: YAML (nested more than 100|expands to more than 100000)"):
         load_deepspeed_file(str(f))
+
+
+# ------------------------------------------------------------------------------------- data rows: lone surrogates
+CLEAN_ROW = '{"question": "What is 2+2?", "answer": "4"}'
+# the JSON escape of half a UTF-16 pair, as a file written by a buggy exporter holds it (json.loads accepts it)
+SURROGATE_ROW = '{"question": "What is \\ud800 2+2?", "answer": "4"}'
+
+
+def _surrogate_problem(path, line):
+    return (f"{path}:{line}: field 'question' holds a lone UTF-16 surrogate ('\\ud800' at character 9), not text; "
+            f"fix the row (a JSON \\u escape without its pair)")
+
+
+@pytest.mark.fast
+def test_a_lone_surrogate_in_jsonl_or_json_names_file_line_and_field(tmp_path):
+    from grpo_dist.data import DataError
+    from grpo_dist.data.files import load_file
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text(f"{CLEAN_ROW}\n{SURROGATE_ROW}\n")
+    assert "\\ud800" in jsonl.read_text()  # the escape itself is in the file, pure ASCII
+    with pytest.raises(DataError) as e:
+        load_file(str(jsonl), "question", "answer", "raw", None)
+    assert str(e.value) == _surrogate_problem(jsonl, 2)
+    js = tmp_path / "train.json"
+    js.write_text(f"[\n{CLEAN_ROW},\n{SURROGATE_ROW}\n]\n")
+    with pytest.raises(DataError) as e:
+        load_file(str(js), "question", "answer", "raw", None)
+    assert str(e.value) == _surrogate_problem(js, 3)
+    jsonl.write_text('{"question": "1+1", "answer": "2\\udfff"}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:1: field 'answer' holds a lone UTF-16 surrogate"):
+        load_file(str(jsonl), "question", "answer", "raw", None)
+
+
+@pytest.mark.fast
+def test_parquet_strings_that_are_not_utf8_name_file_row_and_field(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from grpo_dist.data import DataError
+    from grpo_dist.data.files import load_file
+    f = tmp_path / "train.parquet"
+    # (pyarrow refuses to write a lone surrogate from a str; its UTF-8 form, ED A0 80, is what such a file holds)
+    question = pa.array([b"What is 2+2?", b"What is \xed\xa0\x80 2+2?"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"question": question, "answer": ["4", "4"]}), f)
+    with pytest.raises(DataError) as e:
+        load_file(str(f), "question", "answer", "raw", None)
+    assert str(e.value) == (f"{f}: row 2: field 'question' is not UTF-8 text (byte 0xed); re-encode the file's "
+                            f"strings as UTF-8")
+
+
+@pytest.mark.fast
+def test_the_trainer_start_refuses_the_row_before_any_model_loads(tmp_path, monkeypatch):
+    import torch
+
+    from grpo_dist import trainer as trainer_mod
+    from grpo_dist.data import DataError
+    from grpo_dist.distributed import DistContext
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer_mod, "load_tokenizer", no_model)
+    monkeypatch.setattr(trainer_mod, "load_model", no_model)
+    data = tmp_path / "train.jsonl"
+    data.write_text(f"{CLEAN_ROW}\n{SURROGATE_ROW}\n")
+    cfg = load_config(None, [TINY, f"output_dir={tmp_path / 'out'}", "data.preset=null", f"data.path={data}",
+                             "prompts_per_rank=1"])
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(DataError) as e:
+        trainer_mod.GRPOTrainer(cfg, ctx)
+    assert str(e.value) == _surrogate_problem(data, 2)
