@@ -571,7 +571,7 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     bad = []
     for k in sorted(set(d) - names):
         import difflib
-        close = difflib.get_close_matches(k, sorted(names), n=1)
+        close = difflib.get_close_matches(k, sorted(names), n=1) if len(str(k)) <= 100 else []  # (slow on MBs)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
         bad.append(f"unknown config key '{prefix}{clip(k)}'{hint}; allowed keys here: {', '.join(sorted(names))}")
     kwargs = {}
@@ -770,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     path = None if args[1] == "none" else args[1]
     try:
         cfg = load_config(path, args[2:])
+        from grpo_dist.preflight import check_context_length  # reads the model's config.json, as the trainer's start
+        check_context_length(cfg)
     except ConfigError as e:
         print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
         for p in e.problems:
@@ -780,4 +782,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The importable module's main, not this __main__ copy's: the ConfigError that grpo_dist.preflight raises is
+    # grpo_dist.config's class, which this copy's `except ConfigError` would not catch.
+    from grpo_dist.config import main as _main
+    sys.exit(_main())

@@ -98,8 +98,8 @@ def test_hostile_yaml_on_the_command_line_is_named(capsys):
 
 @pytest.mark.fast
 def test_no_message_prints_an_unbounded_value(tmp_path, capsys):
-    """1 MB values and keys, a 5000-digit integer, a multi-line override: every message is one short line."""
-    huge = "x" * 1_000_000
+    """100 kB values and keys, a 5000-digit integer, a multi-line override: every message is one short line."""
+    huge = "x" * 100_000
     f = tmp_path / "c.yaml"
     f.write_text(json.dumps({"loss_type": huge, "rewards": [{"function": huge}], "report_to": [huge],
                              "model": {"tiny": {"architecture": huge}}}))
@@ -345,3 +345,79 @@ def test_row_text_spelling_the_tiny_tokenizer_eos_stays_text():
     rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
     assert tok.eos_token_id not in rows[1] and tok.pad_token_id not in rows[1]
     assert tok.decode(rows[1]) == "Q: 1+1=<eos><pad>\nA:" and rows[0] == tok("Q: 1+1=\nA:")["input_ids"]
+
+
+# --------------------------------------------------------------- prompt + completion within the model's positions
+def _model_dir(path, **config):
+    """A model directory as far as the preflight reads it: config.json only (no weights, none are read)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  **config}))
+    return path
+
+
+def _context_cfg(model, *overrides):
+    return load_config(None, [f"model.name_or_path={model}", *overrides])
+
+
+@pytest.mark.fast
+def test_completion_length_past_the_model_positions_is_refused_by_check_and_start(tmp_path, capsys):
+    model = _model_dir(tmp_path / "model", max_position_embeddings=1024)
+    needle = (f"config keys 'data.max_prompt_length' + 'max_completion_length' = 512 + 100000 = 100512 tokens exceed "
+              f"the model's 1024 positions (max_position_embeddings = 1024, {model / 'config.json'}); lower them")
+    args = [f"model.name_or_path={model}", "max_completion_length=100000"]
+    code, lines = _check(capsys, "none", *args)
+    assert code == 2 and lines == [needle]
+    # the trainer's start: refused in the preflight, before any model loads (this one has no weights to load)
+    code, lines = _start(capsys, "--config", "configs/smoke_cpu.yaml", f"output_dir={tmp_path / 'out'}",
+                         "reward_workers=0", *args)
+    assert code == 2 and lines == [f"grpo_dist: rank 0: ConfigError: {needle}"], lines
+    assert _check(capsys, "none", f"model.name_or_path={model}", "max_completion_length=512") == (0, [])
+
+
+@pytest.mark.fast
+def test_rope_scaling_stretches_the_positions(tmp_path):
+    from grpo_dist.preflight import check_context_length, context_limit
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    model = _model_dir(tmp_path / "qwen", max_position_embeddings=32768, rope_scaling=yarn)
+    check_context_length(_context_cfg(model, "max_completion_length=100000"))  # 100512 <= 4 x 32768
+    with pytest.raises(ConfigError, match=r"512 \+ 200000 = 200512 tokens exceed the model's 131072 positions "
+                                          r"\(max_position_embeddings = 32768, rope scaling yarn x4 of 32768, "):
+        check_context_length(_context_cfg(model, "max_completion_length=200000"))
+    cfg = _context_cfg(model, "vllm.max_model_len=200000")
+    cfg.rollout_engine = "vllm"  # (set after validation: it needs vLLM installed)
+    with pytest.raises(ConfigError, match=r"'vllm.max_model_len' = 200000 exceeds the model's 131072 positions"):
+        check_context_length(cfg)
+    # Llama 3.1 writes the stretched length itself; transformers 5 spells rope_scaling rope_parameters
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert context_limit({"max_position_embeddings": 131072, "rope_parameters": llama3}) == \
+        (131072, "max_position_embeddings = 131072")
+    assert context_limit({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2}}) == \
+        (8192, "max_position_embeddings = 4096, rope scaling linear x2 of 4096")
+    assert context_limit({"n_positions": 1024}) == (1024, "n_positions = 1024")
+    assert context_limit({"text_config": {"max_position_embeddings": 4096}})[0] == 4096
+    assert context_limit({"rope_parameters": {"rope_type": "default"}}) is None
+
+
+@pytest.mark.fast
+def test_a_hub_model_is_read_from_the_cache_and_never_fetched(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from grpo_dist.preflight import check_context_length
+    snapshot = tmp_path / "hub" / "models--someone--tiny-lm" / "snapshots" / ("0" * 40)
+    _model_dir(snapshot, max_position_embeddings=2048)
+    (tmp_path / "hub" / "models--someone--tiny-lm" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-lm" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=r"exceed the model's 2048 positions \(max_position_embeddings = 2048, "):
+        check_context_length(_context_cfg("someone/tiny-lm", "max_completion_length=4096"))
+    check_context_length(_context_cfg("someone/not-cached", "max_completion_length=4096"))  # unknown: no download
+
+
+@pytest.mark.real_model
+def test_the_real_model_positions(smollm2_dir):
+    from grpo_dist.preflight import check_context_length
+    with pytest.raises(ConfigError, match=r"= 100512 tokens exceed the model's 8192 positions "
+                                          r"\(max_position_embeddings = 8192, "):
+        check_context_length(_context_cfg(smollm2_dir, "max_completion_length=100000"))
+    check_context_length(_context_cfg(smollm2_dir, "max_completion_length=7680"))  # 512 + 7680 = 8192 fits
