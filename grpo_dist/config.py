@@ -422,14 +422,15 @@ class GRPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-# A grader that needs more than a day per completion is hung; past ~2.9e11 s select() overflows (OverflowError).
+# A grader that needs more than a day per completion is hung; past ~9.2e9 s (int64 nanoseconds) the grading
+# pool's select() raises OverflowError.
 MAX_REWARD_TIMEOUT_S = 86400.0
 # Reward weights say how much each function counts against the others. Rewards are O(1) to O(100); summed in fp32
 # (advantages, group std: squares), |w| <= 1e6 keeps w * reward and its square far below fp32's 3.4e38, and no mix
 # needs a ratio beyond 1e6 between weights (past 2^24 ~ 1.7e7 the smaller term is under fp32 rounding anyway).
 MAX_REWARD_WEIGHT = 1e6
 
-# Ranges the types alone do not say (key -> (lowest, highest, lowest allowed?)); NaN is refused everywhere.
+# Ranges the types alone do not say; non-finite floats (inf, NaN) are refused everywhere.
 _AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "reward_workers", "eval_steps",
                "save_steps", "top_k", "adam_epsilon")
 _ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")

@@ -421,3 +421,19 @@ def test_the_real_model_positions(smollm2_dir):
                                           r"\(max_position_embeddings = 8192, "):
         check_context_length(_context_cfg(smollm2_dir, "max_completion_length=100000"))
     check_context_length(_context_cfg(smollm2_dir, "max_completion_length=7680"))  # 512 + 7680 = 8192 fits
+
+
+@pytest.mark.fast
+def test_a_chat_template_that_alters_the_row_refuses_it_rather_than_tokenize_it_unsafely():
+    from grpo_dist.data import DataError, PromptExample, render_prompt
+    from grpo_dist.models import char_tokenizer, prepare_tokenizer
+    tok = prepare_tokenizer(char_tokenizer())
+    tok.chat_template = ("{% for m in messages %}U:{{ m['content'][:-1] }}<eos>{% endfor %}"
+                         "{% if add_generation_prompt %}A:{% endif %}")  # drops the last character of the row
+    cfg = _chat_cfg()
+    assert render_prompt(PromptExample("1+1=?", "2", 0), cfg, tok).text == "U:1+1=<eos>A:"
+    with pytest.raises(DataError, match=r"the problem of example 7 \(0-based, in its split\) spells a special "
+                                        r"token \('<eos>'\) and the tokenizer's chat template alters"):
+        render_prompt(PromptExample("1+1=<eos>", "2", 7), cfg, tok)
+    ok = render_prompt(PromptExample("<eos>1+1=?", "2", 7), cfg, tok)  # the marker survives: kept as text
+    assert ok.pieces == (("U:", False), ("<eos>", True), ("1+1=<eos>A:", False))

@@ -77,14 +77,16 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> Rendere
         return RenderedPrompt(((text, False),))
     pieces, pos = [], 0
     for m in re.finditer(f"{markers[0]}(\\d+){markers[1]}", text):
+        if int(m.group(1)) >= len(spelled):
+            break  # not a marker of ours: the check below refuses the row
         pieces += [(text[pos:m.start()], False), (spelled[int(m.group(1))], True)]
         pos = m.end()
     pieces.append((text[pos:], False))
     rendered = RenderedPrompt(tuple((t, lit) for t, lit in pieces if t))
-    if markers[0] in rendered.text or markers[1] in rendered.text:
-        raise DataError(f"data row {example.index + 1}: the tokenizer's chat template altered the text of the row "
-                        f"(it spells a special token such as {short(spelled[0])}), so the row cannot be kept as "
-                        f"text; remove the special-token strings from the row")
+    if markers[0] in rendered.text or markers[1] in rendered.text:  # the template cut or rewrote a marker
+        raise DataError(f"the problem of example {example.index} (0-based, in its split) spells a special token "
+                        f"({short(spelled[0])}) and the tokenizer's chat template alters the row's text, so it "
+                        f"cannot be kept as text: remove the special-token strings from the row")
     return rendered
 
 
