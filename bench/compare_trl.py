@@ -69,7 +69,7 @@ def prompts(n: int, model_dir: str) -> list[str]:
     cfg = load_config(None, [f"model.name_or_path={model_dir}"])
     tok = load_tokenizer(cfg.model)
     ex = load_examples(cfg.data, "train")
-    return [render_prompt(e, cfg.data, tok) for e in ex[:n]]
+    return [render_prompt(e, cfg.data, tok).text for e in ex[:n]]
 
 
 # ------------------------------------------------------------------------------------------------ the TRL worker

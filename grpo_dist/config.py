@@ -22,13 +22,39 @@ from typing import Any, Optional, Union
 import yaml
 
 
+# The longest a problem may print (the longest real one, an unknown top-level key with the allowed keys, is ~900
+# characters): a hostile value (a 72 MB YAML alias expansion, a 10 MB override) never reaches the console whole.
+MAX_PROBLEM_CHARS = 2000
+
+
+def clip(text: Any, limit: int = 80) -> str:
+    """str(text), cut to `limit` characters with a count of the rest: for values and keys shown in messages."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut like clip(): every value a message shows goes through this."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit str limit
+        text = f"<{type(value).__name__} too large to print>"
+    return clip(text, limit)
+
+
 class ConfigError(ValueError):
     """A configuration problem, always naming the key (and file) at fault. `problems` lists every problem found
-    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all)."""
+    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all).
+    Every problem is one line of at most MAX_PROBLEM_CHARS characters."""
 
     def __init__(self, message: str, problems: list[str] | None = None):
+        message = _one_bounded_line(message)
         super().__init__(message)
-        self.problems = problems or [message]
+        self.problems = [_one_bounded_line(p) for p in problems] if problems else [message]
+
+
+def _one_bounded_line(text: str) -> str:
+    return clip(" ".join(str(text).split()) if "\n" in str(text) else text, MAX_PROBLEM_CHARS)
 
 
 def _raise_all(problems: list[str], where: str = "") -> None:
@@ -58,11 +84,14 @@ TINY_ARCHITECTURES = ("qwen2", "llama", "qwen3")
 def tiny_problems(tiny: dict) -> list[str]:
     """Every problem of a model.tiny mapping: unknown keys, an unknown architecture. (Whether model.tiny.tokenizer,
     when not char or bpe, names a tokenizer directory is found when the tokenizer is built.)"""
-    bad = [f"unknown config key 'model.tiny.{k}'; allowed: {', '.join(sorted(TINY_DEFAULTS))}"
+    bad = [f"unknown config key 'model.tiny.{clip(k)}'; allowed: {', '.join(sorted(TINY_DEFAULTS))}"
            for k in sorted(set(tiny) - set(TINY_DEFAULTS))]
+    bad += [f"config key 'model.tiny.{k}' must be a finite number, got {v}" for k, v in tiny.items()
+            if isinstance(v, float) and not math.isfinite(v)]
     arch = tiny.get("architecture", TINY_DEFAULTS["architecture"])
     if arch not in TINY_ARCHITECTURES:
-        bad.append(f"config key 'model.tiny.architecture' = {arch!r}; choose one of {', '.join(TINY_ARCHITECTURES)}")
+        bad.append(f"config key 'model.tiny.architecture' = {short(arch)}; choose one of "
+                   f"{', '.join(TINY_ARCHITECTURES)}")
     return bad
 
 
@@ -152,7 +181,8 @@ class VLLMConfig:
 @dataclass
 class GRPOConfig:
     # Run
-    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked)")
+    output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked; "
+                         "not empty: '.' is the current directory)")
     overwrite_output_dir: bool = _f(False, "start a fresh run in an output_dir that holds another run's checkpoints "
                                     "or metrics, deleting them (without it, and without resume_from_checkpoint, "
                                     "such a start is refused)")
@@ -181,7 +211,7 @@ class GRPOConfig:
     prompts_per_rank: int = _f(4, "prompts each rank takes per step (each gets num_generations completions)")
     num_generations: int = _f(8, "completions per prompt (the group size G)")
     max_completion_length: int = _f(256, "max new tokens per completion")
-    temperature: float = _f(1.0, "sampling temperature")
+    temperature: float = _f(1.0, "sampling temperature (> 0, finite; evaluation decodes greedily on its own)")
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
@@ -197,7 +227,8 @@ class GRPOConfig:
     sampler_correction_cap: float = _f(2.0, "upper cap of that ratio (truncated IS)")
     # Rewards and advantages
     rewards: list = _f(factory=lambda: [{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}],
-                       help="list of {function: module:function, weight: float}")
+                       help="list of {function: module:function, weight: float (finite, |weight| <= 1e6; "
+                       "default 1)}")
     scale_rewards: str = _f("group", "std used to scale advantages: group | batch | none (Dr. GRPO)",
                             ("group", "batch", "none"))
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")
@@ -208,7 +239,7 @@ class GRPOConfig:
                                           "extra round); with too few groups at the cap the step trains on those")
     mask_truncated_completions: bool = _f(False, "completions without EOS (cut at max_completion_length) take no "
                                           "part in the loss; they still count in their group's advantages")
-    reward_timeout_s: float = _f(5.0, "hard time limit per graded completion")
+    reward_timeout_s: float = _f(5.0, "hard time limit per graded completion (seconds, at most 86400)")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
     reward_fail_on_all_errors: bool = _f(True, "stop (exit 2) when a reward function fails (raises, times out, "
                                          "returns a non-number) on every completion of a step; fewer failures "
@@ -260,6 +291,9 @@ class GRPOConfig:
         """Every problem of this config, in the order of the checks (validate raises one ConfigError with all of
         them; `python -m grpo_dist.config --check` prints them all)."""
         bad = _check_choices(self, "")
+        if not self.output_dir.strip():  # "" is the current directory to every path function
+            bad.append("config key 'output_dir' is empty: the run would write into the current directory; name a "
+                       "directory (or '.' to mean the current one)")
         positive = ["max_steps", "prompts_per_rank", "num_generations", "max_completion_length", "num_iterations",
                     "micro_batch_size", "logging_steps", "max_consecutive_nonfinite"]
         for k in positive:
@@ -289,19 +323,25 @@ class GRPOConfig:
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
                 bad.append(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
-                           f"got {r!r}")
+                           f"got {short(r)}")
                 continue
-            if ":" not in r["function"]:
-                bad.append(f"config key 'rewards[{i}].function' must be 'module:function', got {r['function']!r}")
+            if not isinstance(r["function"], str) or ":" not in r["function"]:
+                bad.append(f"config key 'rewards[{i}].function' must be 'module:function', got {short(r['function'])}")
+            if "weight" in r:
+                bad += _weight_problems(r["weight"], f"rewards[{i}].weight")
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
-                bad.append(f"config key 'report_to' has {s!r}; allowed: jsonl, tensorboard, wandb")
+                bad.append(f"config key 'report_to' has {short(s)}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             bad.append("config key 'data.path' (or 'data.preset') must be set")
         from grpo_dist.data import data_config_problems  # grpo_dist.data imports this module: import when used
         bad += data_config_problems(self.data)
         if self.model.name_or_path is None and self.model.tiny is not None:  # the tiny model is built
             bad += tiny_problems(self.model.tiny)
+            positions = self.model.tiny.get("max_position_embeddings", TINY_DEFAULTS["max_position_embeddings"])
+            bad += context_problems(self.data.max_prompt_length, self.max_completion_length, positions,
+                                    "model.tiny.max_position_embeddings")
+        # (a pretrained model's max_position_embeddings is in its config.json: preflight.check_context_length)
         if self.save_format == "sharded" and self.distributed.backend == "deepspeed":
             bad.append("config key 'save_format' = sharded (a DCP directory) is FSDP's; with distributed.backend="
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
@@ -382,7 +422,15 @@ class GRPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-# Ranges the types alone do not say (key -> (lowest, highest, lowest allowed?)); NaN is refused everywhere.
+# A grader that needs more than a day per completion is hung; past ~9.2e9 s (int64 nanoseconds) the grading
+# pool's select() raises OverflowError.
+MAX_REWARD_TIMEOUT_S = 86400.0
+# Reward weights say how much each function counts against the others. Rewards are O(1) to O(100); summed in fp32
+# (advantages, group std: squares), |w| <= 1e6 keeps w * reward and its square far below fp32's 3.4e38, and no mix
+# needs a ratio beyond 1e6 between weights (past 2^24 ~ 1.7e7 the smaller term is under fp32 rounding anyway).
+MAX_REWARD_WEIGHT = 1e6
+
+# Ranges the types alone do not say; non-finite floats (inf, NaN) are refused everywhere.
 _AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "reward_workers", "eval_steps",
                "save_steps", "top_k", "adam_epsilon")
 _ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")
@@ -396,10 +444,12 @@ def _number_problems(cfg) -> list[str]:
             obj = getattr(obj, part)
         return obj
 
+    # No float setting means anything at inf or NaN (none documents it: "off" is 0 or null where it exists, e.g.
+    # max_grad_norm, dual_clip_c; "no clipping" is a large finite epsilon), and inf passes every "> 0" check.
     for key in _number_keys(cfg, ""):
         v = value(key)
-        if isinstance(v, float) and math.isnan(v):
-            bad.append(f"config key '{key}' is NaN")
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(f"config key '{key}' must be a finite number, got {v}")
     for key in _AT_LEAST_0:
         if value(key) < 0:
             bad.append(f"config key '{key}' must be >= 0, got {value(key)}")
@@ -408,10 +458,33 @@ def _number_problems(cfg) -> list[str]:
         if v is not None and v <= 0:
             bad.append(f"config key '{key}' must be > 0" + (" (or null)" if key == "generation_batch_size"
                                                                      else "") + f", got {v}")
+    if math.isfinite(value("reward_timeout_s")) and value("reward_timeout_s") > MAX_REWARD_TIMEOUT_S:
+        bad.append(f"config key 'reward_timeout_s' must be at most {MAX_REWARD_TIMEOUT_S:g} (a day per completion), "
+                   f"got {value('reward_timeout_s'):g}")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= value(key) < 1:
             bad.append(f"config key '{key}' must be in [0, 1), got {value(key)}")
     return bad
+
+
+def context_problems(prompt_len: int, completion_len: int, limit, source: str) -> list[str]:
+    """A prompt and its completion must fit the model's positions: beyond them a model sees positions it was never
+    trained on (or indexes past its position table), and the rollouts and the loss are garbage."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or prompt_len + completion_len <= limit:
+        return []
+    return [f"config keys 'data.max_prompt_length' + 'max_completion_length' = {prompt_len} + {completion_len} = "
+            f"{prompt_len + completion_len} tokens exceed the model's {limit} positions ({source}); lower them"]
+
+
+def _weight_problems(w: Any, key: str) -> list[str]:
+    """A reward weight: a finite number (a numeric string too: YAML 1.1 reads 1e-3 as one) with |w| <= 1e6."""
+    try:
+        number = float(w) if not isinstance(w, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number) or abs(number) > MAX_REWARD_WEIGHT:
+        return [f"config key '{key}' must be a finite number with |weight| <= {MAX_REWARD_WEIGHT:.0f}, got {short(w)}"]
+    return []
 
 
 def _number_keys(obj, prefix: str):
@@ -432,7 +505,7 @@ def _check_choices(obj, prefix: str) -> list[str]:
             continue
         choices = f.metadata.get("choices")
         if choices and v is not None and v not in choices:
-            bad.append(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
+            bad.append(f"config key '{prefix}{f.name}' = {short(v)} is not allowed; choose one of "
                        f"{', '.join(map(str, choices))}")
     return bad
 
@@ -453,18 +526,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return _coerce(value, args[0], key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' must be a mapping of {_type_name(tp)} keys, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a mapping of {_type_name(tp)} keys, got {short(value)}")
         return _from_dict(tp, value, key + ".")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be true or false, got {short(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be an integer, got {short(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -473,23 +546,23 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be a number, got {short(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be a string, got {short(value)}")
     if tp is list or origin is list:
         if isinstance(value, list):
             return value
         if isinstance(value, str):  # one item given on the command line
             return [value] if value else []
-        raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be a list, got {short(value)}")
     if tp is dict or origin is dict:
         if isinstance(value, dict):
             return value
-        raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be a mapping, got {short(value)}")
     return value
 
 
@@ -499,9 +572,9 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     bad = []
     for k in sorted(set(d) - names):
         import difflib
-        close = difflib.get_close_matches(k, sorted(names), n=1)
+        close = difflib.get_close_matches(k, sorted(names), n=1) if len(str(k)) <= 100 else []  # (slow on MBs)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        bad.append(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
+        bad.append(f"unknown config key '{prefix}{clip(k)}'{hint}; allowed keys here: {', '.join(sorted(names))}")
     kwargs = {}
     for k, v in d.items():
         if k in names:
@@ -517,11 +590,67 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     return obj
 
 
-def _parse_scalar(text: str) -> Any:
-    """Parse a command-line value as YAML (numbers, bools, null, lists) and fall back to the raw string."""
+# A config is a few hundred YAML values nested about 4 deep. These bounds are far above any real one, and keep a
+# hostile file from becoming a RecursionError (PyYAML composes nested collections recursively: 100000 '[') or
+# gigabytes of values ("billion laughs": 9 aliases of 9 aliases of ... expand exponentially, while the file stays
+# a few hundred bytes). Aliases count as the values they expand to.
+YAML_MAX_DEPTH = 100
+YAML_MAX_VALUES = 100_000
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load of a config text (a file, a command-line value, a DeepSpeed config), refusing nesting deeper
+    than YAML_MAX_DEPTH and more than YAML_MAX_VALUES values once aliases are expanded. Raises one ConfigError line
+    naming `where` for those and for invalid YAML."""
     try:
+        _check_yaml_size(text, where)
         return yaml.safe_load(text)
-    except yaml.YAMLError:
+    except ConfigError:
+        raise
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of over 4300 digits
+        raise ConfigError(f"{where}: YAML value cannot be read: {type(e).__name__}: {e}") from None
+
+
+def _check_yaml_size(text: str, where: str) -> None:
+    """Walk the parser's events (PyYAML's parser is not recursive, its composer is) counting depth and values,
+    before anything is built."""
+    sizes: dict[str, int] = {}   # anchor -> values its node expands to
+    open_at: list[tuple[Any, int]] = []  # open collections: (anchor, running total when opened)
+    total = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            total += sizes.get(event.anchor, 1)
+        elif isinstance(event, yaml.ScalarEvent):
+            total += 1
+            if event.anchor:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            total += 1
+            open_at.append((event.anchor, total - 1))
+            if len(open_at) > YAML_MAX_DEPTH:
+                raise ConfigError(f"{where}: YAML nested more than {YAML_MAX_DEPTH} levels deep (line "
+                                  f"{event.start_mark.line + 1}); a config needs a handful")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = open_at.pop()
+            if anchor:
+                sizes[anchor] = total - start
+        if total > YAML_MAX_VALUES:
+            raise ConfigError(f"{where}: YAML expands to more than {YAML_MAX_VALUES} values (line "
+                              f"{event.start_mark.line + 1}; anchors and aliases count as what they repeat); a "
+                              f"config holds a few hundred")
+
+
+def _parse_scalar(text: str, item: str) -> Any:
+    """Parse a command-line value as YAML (numbers, bools, null, lists) and fall back to the raw string; a value
+    past load_yaml's bounds is a ConfigError naming the override."""
+    try:
+        _check_yaml_size(text, f"override {short(item)}")
+        return yaml.safe_load(text)
+    except ConfigError:
+        raise
+    except (yaml.YAMLError, ValueError, RecursionError):
         return text
 
 
@@ -530,7 +659,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     bad = []
     for item in overrides:
         if "=" not in item:
-            bad.append(f"override {item!r} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
+            bad.append(f"override {short(item)} must look like key=value (e.g. beta=0.0 or model.dtype=bfloat16)")
             continue
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
@@ -538,10 +667,14 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                bad.append(f"override {item!r}: '{p}' is not a section")
+                bad.append(f"override {short(item)}: '{p}' is not a section")
                 break
         else:
-            node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
+            try:
+                node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else \
+                    _parse_scalar(text, item)
+            except ConfigError as e:
+                bad += e.problems
     _raise_all(bad)
     return d
 
@@ -567,10 +700,12 @@ def _is_text_key(parts: list[str]) -> bool:
 def _blame(message: str, path, overrides: list[str]) -> str:
     """Prefix an error with where the bad key came from: the command line or the YAML file."""
     import re
-    m = re.search(r"config key '([^']+)'", message)
+    if message.startswith("override "):  # a malformed override names itself
+        return message
+    # "config key 'a' ...", or "config keys 'a' + 'b' ..." (any of them given on the command line)
+    m = re.match(r"(?:.*?)config keys? ((?:'[^']+'(?: \+ |, | and )?)+)", message)
     given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
-    if m:
-        key = m.group(1)
+    for key in re.findall(r"'([^']+)'", m.group(1)) if m else []:
         top = re.split(r"[.\[]", key)[0]
         if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
             return f"command line: {message}"
@@ -587,9 +722,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: cannot be read as UTF-8 text: {e}") from None
+        d = load_yaml(text, str(p)) or {}
         if not isinstance(d, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
     bad = []
@@ -635,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     path = None if args[1] == "none" else args[1]
     try:
         cfg = load_config(path, args[2:])
+        from grpo_dist.preflight import check_context_length  # reads the model's config.json, as the trainer's start
+        check_context_length(cfg)
     except ConfigError as e:
         print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
         for p in e.problems:
@@ -645,4 +783,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The importable module's main, not this __main__ copy's: the ConfigError that grpo_dist.preflight raises is
+    # grpo_dist.config's class, which this copy's `except ConfigError` would not catch.
+    from grpo_dist.config import main as _main
+    sys.exit(_main())

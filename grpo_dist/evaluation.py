@@ -77,7 +77,7 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
         flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
                                cfg.max_completion_length)
         if sample_out is not None and not sample_out and batch.completions:
-            sample_out.append((prompts[0], batch.completions[0], batch.references[0], flags[0]))
+            sample_out.append((prompts[0].text, batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]
         if records is not None:
             cut = cut_off(batch, sampling.eos_ids).tolist()

@@ -7,13 +7,14 @@ stop together and the message is printed once.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shutil
 from pathlib import Path
 
-from grpo_dist import distributed as gdist
-from grpo_dist.config import ConfigError
+from grpo_dist.config import ConfigError, context_problems
 
 # What a previous run leaves in output_dir (metrics.py, checkpoint.py): a fresh run there needs consent.
 RUN_OUTPUTS = ("checkpoint-*", ".tmp-checkpoint-*", "metrics.jsonl", "tensorboard")
@@ -28,6 +29,7 @@ class AgreedError(ConfigError):
 def run(cfg, ctx):
     """Rank 0 runs every check and takes the output_dir lock; all ranks raise AgreedError on a problem. Returns the
     held lock on rank 0 (None elsewhere); it must stay referenced for the life of the run."""
+    from grpo_dist import distributed as gdist  # here: `python -m grpo_dist.config --check` imports no torch
     from grpo_dist.runlock import OutputDirInUse, OutputDirLock
     error, lock = None, None
     if ctx.is_main:
@@ -42,6 +44,7 @@ def run(cfg, ctx):
             check_rewards(cfg.rewards)
             check_model_source("model.name_or_path", cfg.model.name_or_path)
             check_model_source("model.tokenizer", cfg.model.tokenizer)
+            check_context_length(cfg)
             for key in ("path", "eval_path"):
                 check_data_file(f"data.{key}", getattr(cfg.data, key))
         except (ConfigError, OutputDirInUse) as e:
@@ -130,6 +133,70 @@ def _in_hub_cache(repo_id: str) -> bool:
             isinstance(try_to_load_from_cache(repo_id, "tokenizer_config.json"), str)
     except Exception:  # noqa: BLE001 - an id the hub library rejects is not cached either
         return False
+
+
+def check_context_length(cfg) -> None:
+    """A prompt and its completion must fit the pretrained model's positions: data.max_prompt_length +
+    max_completion_length against its config.json (a local directory, or the Hugging Face cache: nothing is
+    downloaded, no weights are read). Also run by `python -m grpo_dist.config --check`. (model.tiny:
+    GRPOConfig.problems checks model.tiny.max_position_embeddings.)"""
+    path = model_config_file(cfg.model.name_or_path) if cfg.model.name_or_path else None
+    if path is None:
+        return  # a Hub model not cached yet: nothing to read without downloading; loading it is the check
+    try:
+        found = context_limit(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config.json: loading the model names it
+    if found is None:
+        return
+    limit, how = found
+    bad = context_problems(cfg.data.max_prompt_length, cfg.max_completion_length, limit, f"{how}, {path}")
+    max_model_len = cfg.vllm.max_model_len
+    if cfg.rollout_engine == "vllm" and max_model_len is not None and max_model_len > limit:
+        bad.append(f"config key 'vllm.max_model_len' = {max_model_len} exceeds the model's {limit} positions "
+                   f"({how}, {path}); lower it")
+    if bad:
+        raise ConfigError(bad[0], bad)
+
+
+def model_config_file(source: str) -> Path | None:
+    """The config.json of model.name_or_path: in the directory, or in the Hugging Face cache (never fetched)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return p / "config.json" if (p / "config.json").is_file() else None
+    if not _HUB_ID.match(source) or source.startswith((".", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(source, "config.json")
+    except Exception:  # noqa: BLE001 - an id the hub library rejects is not cached either
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def context_limit(conf: dict) -> tuple[int, str] | None:
+    """(positions, how they were read) from a model's config.json: max_position_embeddings (n_positions in GPT-2
+    style configs; text_config's in multimodal ones), or more where RoPE scaling (rope_scaling, transformers 5's
+    rope_parameters) stretches the model's original context by `factor` (linear, dynamic, yarn, longrope, llama3):
+    configs disagree on whether max_position_embeddings already holds the stretched length, so the larger counts.
+    None when the config names no length."""
+    sub = conf.get("text_config")
+    text: dict = sub if isinstance(sub, dict) and "max_position_embeddings" not in conf else conf
+    found = [(k, v) for k, v in ((k, text.get(k)) for k in ("max_position_embeddings", "n_positions"))
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if not found:
+        return None
+    key, n = found[0]
+    how = f"{key} = {n}"
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict):
+        kind, factor = rope.get("rope_type") or rope.get("type"), rope.get("factor")
+        if kind not in (None, "default") and isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1:
+            original = rope.get("original_max_position_embeddings") or text.get("original_max_position_embeddings")
+            original = original if isinstance(original, int) and original > 0 else n
+            if int(original * factor) > n:
+                return int(original * factor), f"{how}, rope scaling {kind} x{factor:g} of {original}"
+    return n, how
 
 
 def check_data_file(key: str, value) -> None:

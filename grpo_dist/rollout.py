@@ -11,10 +11,12 @@ completion_mask is 1 for every generated token up to and including the first EOS
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
 from grpo_dist.decoder import LeanDecoder, lean_decoder_unsupported
 
 
@@ -104,13 +106,20 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int,
+def tokenize_prompts(tokenizer, prompts: Sequence[str | RenderedPrompt], max_prompt_length: int,
                      device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and mask; over-long prompts keep their end (the question sits at the end of a template)."""
-    tokenizer.truncation_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,
-                    add_special_tokens=False)
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    """Left-padded ids and mask; over-long prompts keep their last max_prompt_length tokens (the question sits at
+    the end of a template). Rendered prompts (data.render_prompt) keep their row text as text, strings are
+    tokenized as they are (data.encode_prompts)."""
+    rows = [ids[max(0, len(ids) - max_prompt_length):] for ids in encode_prompts(tokenizer, prompts)]
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def _filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -224,9 +233,10 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
 
 
 @torch.no_grad()
-def generate_rollouts(model, tokenizer, prompts: list[str], references: list[str], *, num_generations: int,
-                      max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      max_prompt_length: int = 512, generation_batch_size: int | None = None,
+def generate_rollouts(model, tokenizer, prompts: Sequence[str | RenderedPrompt], references: list[str], *,
+                      num_generations: int, max_completion_length: int, temperature: float = 1.0,
+                      top_p: float = 1.0, top_k: int = 0, max_prompt_length: int = 512,
+                      generation_batch_size: int | None = None,
                       min_completion_length: int = 0, do_sample: bool = True, use_hf_generate: bool = False,
                       lean_decoder: bool = True, **generate_kwargs) -> RolloutBatch:
     """Sample num_generations completions for each prompt (rows grouped prompt by prompt).

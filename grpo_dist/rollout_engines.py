@@ -26,11 +26,12 @@ import abc
 import math
 import os
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from grpo_dist.config import ConfigError
+from grpo_dist.data.prompts import RenderedPrompt
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
 
 
@@ -289,15 +290,17 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
-def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
-    """Token ids per prompt, without padding, truncated from the left like the trainer's batches."""
+def prompt_token_ids(tokenizer, prompts: Sequence[str | RenderedPrompt], max_prompt_length: int) -> list[list[int]]:
+    """Token ids per prompt, without padding, truncated from the left like the trainer's batches (row text of
+    rendered prompts stays text: rollout.tokenize_prompts)."""
     ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, "cpu")
     return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
 
 
-def generate_batch(engine: RolloutEngine, tokenizer, prompts: list[str], references: list[str],
+def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | RenderedPrompt], references: list[str],
                    sampling: SamplingSpec, max_prompt_length: int, device) -> RolloutBatch:
-    """Tokenize, generate with `engine`, and lay the rows out as a RolloutBatch (left-padded prompts repeated n
+    """Tokenize (data.render_prompt's prompts: row text as text; every engine, vLLM included, gets token ids),
+    generate with `engine`, and lay the rows out as a RolloutBatch (left-padded prompts repeated n
     times, right-padded completions, EOS included in the mask, the sampler's log-probs, decoded texts)."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length)
     gens = engine.generate(prompt_ids, sampling)

@@ -62,7 +62,7 @@ def test_config_is_valid(path: Path):
     else:
         example = PromptExample(prompt="What is 1+1?", answer="2", index=0)
     if not cfg.data.use_chat_template:
-        text = render_prompt(example, cfg.data, _NoChatTokenizer())
+        text = render_prompt(example, cfg.data, _NoChatTokenizer()).text
         assert example.prompt in text
 
     # Batch shapes that the trainer relies on.

@@ -337,9 +337,9 @@ def _tiny_tokenizer(chat_template=None):
 
 def test_render_prompt_template():
     ex = PromptExample("2+3=", "5", 0)
-    assert render_prompt(ex, cfg(), None) == "2+3="
+    assert render_prompt(ex, cfg(), None).text == "2+3="
     c = cfg(prompt_template="Q: {prompt}\nPut the answer in \\boxed{}.\nA:")
-    assert render_prompt(ex, c, None) == "Q: 2+3=\nPut the answer in \\boxed{}.\nA:"
+    assert render_prompt(ex, c, None).text == "Q: 2+3=\nPut the answer in \\boxed{}.\nA:"
     with pytest.raises(DataError, match="data.prompt_template"):
         render_prompt(ex, cfg(prompt_template="no placeholder"), None)
 
@@ -350,9 +350,9 @@ def test_render_prompt_chat_template():
     tok = _tiny_tokenizer(tmpl)
     ex = PromptExample("What is 1+1?", "2", 0)
     c = cfg(use_chat_template=True, prompt_template="Solve: {prompt}")
-    assert render_prompt(ex, c, tok) == "<|user|>Solve: What is 1+1?<|end|><|assistant|>"
+    assert render_prompt(ex, c, tok).text == "<|user|>Solve: What is 1+1?<|end|><|assistant|>"
     c = dataclasses.replace(c, system_prompt="Be brief.")
-    assert render_prompt(ex, c, tok) == "<|system|>Be brief.<|end|><|user|>Solve: What is 1+1?<|end|><|assistant|>"
+    assert render_prompt(ex, c, tok).text == "<|system|>Be brief.<|end|><|user|>Solve: What is 1+1?<|end|><|assistant|>"
     with pytest.raises(DataError, match="chat_template"):
         render_prompt(ex, c, _tiny_tokenizer())
 

@@ -97,6 +97,13 @@ def _field(row: dict, name: str, ctx: str) -> str:
     s = str(v)
     if not s.strip():
         raise DataError(f"{ctx}: field '{name}' is empty")
+    # JSON may escape half a UTF-16 pair ("\\ud800"): Python holds it, but no tokenizer takes such a string (a
+    # TypeError naming nothing, at the first rollout)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{ctx}: field '{name}' holds a lone UTF-16 surrogate ({s[e.start]!r} at character "
+                        f"{e.start + 1}), not text; fix the row (a JSON \\u escape without its pair)") from None
     return s
 
 
@@ -179,8 +186,24 @@ def _iter_parquet(p: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(p)
     except Exception as e:  # noqa: BLE001 - any pyarrow failure means an unreadable file
         raise DataError(f"{p}: cannot read parquet file: {e}") from None
-    for i, row in enumerate(table.to_pylist()):
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # a string column with bytes that are not UTF-8 (pyarrow does not check on read)
+        raise _bad_parquet_text(p, table) from None
+    for i, row in enumerate(rows):
         yield f"row {i + 1}", row
+
+
+def _bad_parquet_text(p: Path, table) -> DataError:
+    """The first row and column whose string is not UTF-8 (only on that error: row by row)."""
+    for i in range(table.num_rows):
+        for name in table.column_names:
+            try:
+                table.column(name).slice(i, 1).to_pylist()
+            except UnicodeDecodeError as e:
+                return DataError(f"{p}: row {i + 1}: field '{name}' is not UTF-8 text (byte "
+                                 f"0x{e.object[e.start]:02x}); re-encode the file's strings as UTF-8")
+    return DataError(f"{p}: a string column is not UTF-8 text; re-encode the file's strings as UTF-8")
 
 
 def _iter_hf(spec: str) -> Iterator[tuple[str, Any]]:

@@ -1,46 +1,202 @@
-"""Prompt text: rendering a problem with data.prompt_template (and the tokenizer's chat template), checking the
-template, and cutting pathologically long prompts before they reach the tokenizer."""
+"""Prompt text: rendering a problem with data.prompt_template (and the tokenizer's chat template) into a
+RenderedPrompt that keeps the row's text apart from the template's, tokenizing it (encode_prompts: row text reaches
+the model as text, never as control tokens), checking the template, and cutting pathologically long prompts before
+they reach the tokenizer."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from grpo_dist.config import DataConfig
+from grpo_dist.config import DataConfig, short
 from grpo_dist.data.examples import DataError, PromptExample
 
 
 def template_problems(template) -> list[str]:
     """The problem of a data.prompt_template without its one placeholder, '{prompt}' (none when it has it)."""
     if not isinstance(template, str) or "{prompt}" not in template:
-        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {template!r}"]
+        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {short(template)}"]
     return []
 
 
-def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> str:
-    """The text the model is prompted with.
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt as the model gets it, cut into pieces of text. A `literal` piece is row text (the problem of a data
+    row) and reaches the model as ordinary tokens even where it spells a special token: a question holding
+    '<|im_end|>\\n<|im_start|>assistant\\n' must not close the user turn and open a fake assistant one. The rest
+    (the chat template, data.prompt_template, data.system_prompt: the config's own text) is tokenized as usual,
+    special tokens parsed. `text` is the whole prompt, for logs and display; encode_prompts gives its token ids."""
+
+    pieces: tuple[tuple[str, bool], ...]  # (text, literal)
+
+    @property
+    def text(self) -> str:
+        return "".join(piece for piece, _ in self.pieces)
+
+
+def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> RenderedPrompt:
+    """The prompt the model is given for `example`.
 
     data.prompt_template must contain '{prompt}', which is replaced by the problem text. It is the only placeholder:
     every other brace is literal, so templates such as 'Put the answer in \\boxed{}. {prompt}' need no doubled braces.
     With data.use_chat_template the filled template is the user message (after data.system_prompt, if set) and the
-    tokenizer's chat template renders it with the generation prompt appended.
+    tokenizer's chat template renders it with the generation prompt appended. Either way the problem text stays
+    text (RenderedPrompt); a prompt whose problem spells no special token tokenizes exactly like its text.
     """
     bad = template_problems(cfg.prompt_template)
     if bad:
         raise DataError(bad[0])
-    user = cfg.prompt_template.replace("{prompt}", example.prompt)
     if not cfg.use_chat_template:
-        return user
+        parts = cfg.prompt_template.split("{prompt}")
+        pieces = [(parts[0], False)]
+        for part in parts[1:]:
+            pieces += [(example.prompt, True), (part, False)]
+        return RenderedPrompt(tuple((t, lit) for t, lit in pieces if t))
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("config key 'data.use_chat_template' is true but the tokenizer has no chat_template; set "
+                        "data.use_chat_template=false or use a tokenizer with one")
+    # The chat template is a program over the message text (some trim it, some split it): it renders the problem
+    # with every special-token string replaced by a numbered marker of private-use characters, and the marked
+    # spots become the literal pieces. A problem without such strings renders exactly as itself.
+    pattern = _special_pattern(tokenizer)
+    spelled: list[str] = []
+    problem = example.prompt
+    markers = None
+    if pattern is not None and pattern.search(problem):
+        markers = _markers(example.prompt, cfg, tokenizer)
+
+        def mark(m: re.Match) -> str:
+            spelled.append(m.group(0))
+            return f"{markers[0]}{len(spelled) - 1}{markers[1]}"
+        problem = pattern.sub(mark, problem)
+    text = _apply_chat_template(tokenizer, cfg, cfg.prompt_template.replace("{prompt}", problem))
+    if markers is None:
+        return RenderedPrompt(((text, False),))
+    pieces, pos = [], 0
+    for m in re.finditer(f"{markers[0]}(\\d+){markers[1]}", text):
+        if int(m.group(1)) >= len(spelled):
+            break  # not a marker of ours: the check below refuses the row
+        pieces += [(text[pos:m.start()], False), (spelled[int(m.group(1))], True)]
+        pos = m.end()
+    pieces.append((text[pos:], False))
+    rendered = RenderedPrompt(tuple((t, lit) for t, lit in pieces if t))
+    if markers[0] in rendered.text or markers[1] in rendered.text:  # the template cut or rewrote a marker
+        raise DataError(f"the problem of example {example.index} (0-based, in its split) spells a special token "
+                        f"({short(spelled[0])}) and the tokenizer's chat template alters the row's text, so it "
+                        f"cannot be kept as text: remove the special-token strings from the row")
+    return rendered
+
+
+def _apply_chat_template(tokenizer, cfg: DataConfig, user: str) -> str:
     messages = []
     if cfg.system_prompt:
         messages.append({"role": "system", "content": cfg.system_prompt})
     messages.append({"role": "user", "content": user})
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError("config key 'data.use_chat_template' is true but the tokenizer has no chat_template; set "
-                        "data.use_chat_template=false or use a tokenizer with one")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not isinstance(text, str):  # some versions wrap single conversations
         text = text[0] if isinstance(text, list) and text and isinstance(text[0], str) else str(text)
     return text
+
+
+# Marker characters (Unicode private use area) for render_prompt: the first pair that occurs in none of the texts
+_MARKER_PAIRS = [("\ue000", "\ue001"), ("\uf8fe", "\uf8ff"), ("\U000f0000", "\U000f0001"),
+                 ("\U0010fffc", "\U0010fffd")]
+
+
+def _markers(problem: str, cfg: DataConfig, tokenizer) -> tuple[str, str]:
+    texts = (problem, cfg.prompt_template, cfg.system_prompt or "", str(getattr(tokenizer, "chat_template", "")))
+    for pair in _MARKER_PAIRS:
+        if not any(c in t for c in pair for t in texts):
+            return pair
+    raise DataError("a data row, the prompt template and the chat template use every private-use marker "
+                    "character grpo_dist keeps row text apart with; remove them from the row")
+
+
+def special_tokens(tokenizer) -> dict[str, tuple[int, bool, bool]]:
+    """{text: (id, lstrip, rstrip)} of the tokenizer's special added tokens: the strings that tokenizing text turns
+    into control tokens, and that split_special_tokens=True leaves as text."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {t.content: (i, bool(t.lstrip), bool(t.rstrip)) for i, t in decoder.items()
+            if getattr(t, "special", False) and t.content}
+
+
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    return _alternation(tuple(special_tokens(tokenizer)))
+
+
+@functools.lru_cache(maxsize=16)
+def _alternation(strings: tuple[str, ...]) -> re.Pattern | None:
+    """Leftmost-longest match of any of `strings`, as the tokenizer's added-token matcher finds them."""
+    if not strings:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(strings, key=len, reverse=True)))
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str | RenderedPrompt]) -> list[list[int]]:
+    """Token ids of each prompt, no special tokens added, not truncated.
+
+    A str is the caller's own full text: tokenized as is, special tokens parsed. So is a RenderedPrompt whose
+    literal pieces spell no special token: its ids are exactly tokenizer(prompt.text)'s, normal data tokenizes as
+    it always did. Otherwise the special tokens of its other pieces become their ids, and all text between them,
+    literal pieces included, is tokenized with split_special_tokens=True: a literal '<|im_end|>' is ordinary tokens
+    that decode back to '<|im_end|>'.
+    """
+    specials = special_tokens(tokenizer)
+    pattern = _alternation(tuple(specials))
+    out: list[list[int] | None] = [None] * len(prompts)
+    plain: list[tuple[int, str]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            plain.append((i, p))
+        elif pattern is None or not any(lit and pattern.search(t) for t, lit in p.pieces):
+            plain.append((i, p.text))
+        else:
+            out[i] = _encode_pieces(tokenizer, p, pattern, specials)
+    if plain:
+        encoded = tokenizer([t for _, t in plain], add_special_tokens=False)["input_ids"]
+        for (i, _), ids in zip(plain, encoded):
+            out[i] = list(ids)
+    return [ids if ids is not None else [] for ids in out]
+
+
+def _encode_pieces(tokenizer, prompt: RenderedPrompt, pattern: re.Pattern,
+                   specials: dict[str, tuple[int, bool, bool]]) -> list[int]:
+    ids: list[int] = []
+    text: list[str] = []  # ordinary text since the last special token
+    strip_next = False  # the last special token takes the whitespace after it (rstrip), as the tokenizer does
+
+    def add_text(t: str) -> None:
+        nonlocal strip_next
+        if strip_next:
+            t = t.lstrip()
+            strip_next = not t
+        text.append(t)
+
+    def flush() -> None:
+        if "".join(text):
+            ids.extend(tokenizer("".join(text), add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        text.clear()
+
+    for piece, literal in prompt.pieces:
+        if literal:
+            add_text(piece)
+            continue
+        pos = 0
+        for m in pattern.finditer(piece):
+            add_text(piece[pos:m.start()])
+            token_id, lstrip, rstrip = specials[m.group(0)]
+            if lstrip:  # it takes the whitespace before it
+                joined = "".join(text).rstrip()
+                text[:] = [joined]
+            flush()
+            ids.append(token_id)
+            strip_next, pos = rstrip, m.end()
+        add_text(piece[pos:])
+    flush()
+    return ids
 
 
 # Characters kept per token of max_prompt_length when a prompt is cut before tokenizing: generous (most tokens

@@ -63,14 +63,19 @@ def import_deepspeed():
 
 # ------------------------------------------------------------------------------------------------- configuration
 def load_deepspeed_file(path: str) -> dict:
-    """A DeepSpeed config from JSON (.json) or YAML, with errors naming the file."""
+    """A DeepSpeed config from JSON (.json) or YAML (bounded like the trainer's config: config.load_yaml), with
+    errors naming the file."""
     import yaml
+
+    from grpo_dist.config import load_yaml
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config key 'distributed.deepspeed_config': {path} does not exist")
     try:
         # not yaml for .json: YAML 1.1 reads JSON's 1e9 as a string
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+        data = json.loads(p.read_text()) if p.suffix == ".json" else load_yaml(p.read_text(), path)
+    except ConfigError:
+        raise
     except (ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from e
     if not isinstance(data, dict):

@@ -58,7 +58,7 @@ def run_config(model_arg: str, model_dir: str) -> tuple[dict | None, str | None]
     """The config a model was trained with, when --model is a training output_dir or a checkpoint in one: the
     checkpoint's own trainer_state.json (what trained these weights), else the run's config.yaml. (None, None) for
     a plain model directory or a hub id."""
-    import yaml
+    from grpo_dist.config import load_yaml
     state = Path(model_dir) / "trainer_state.json"
     if state.is_file():
         cfg = json.loads(state.read_text()).get("config")
@@ -67,7 +67,7 @@ def run_config(model_arg: str, model_dir: str) -> tuple[dict | None, str | None]
     for folder in (Path(model_arg), Path(model_dir).parent):
         f = folder / "config.yaml"
         if f.is_file():
-            return yaml.safe_load(f.read_text()) or {}, str(f)
+            return load_yaml(f.read_text(), str(f)) or {}, str(f)
     return None, None
 
 
