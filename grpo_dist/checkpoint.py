@@ -34,7 +34,7 @@ import torch
 from grpo_dist import distributed as gdist
 from grpo_dist import faults, manifest
 from grpo_dist.engines import Engine
-from grpo_dist.manifest import LORA_ADAPTER_FILE, MANIFEST, SHARDED_DIR
+from grpo_dist.manifest import LORA_ADAPTER_FILE, LORA_CONFIG_FILE, MANIFEST, SHARDED_DIR
 from grpo_dist.write_errors import describe_write_failure
 
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -213,17 +213,51 @@ _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "
                "num_key_value_heads", "intermediate_size", "head_dim", "tie_word_embeddings")
 
 
-def check_model_shape(path: Path, hf_config) -> None:
-    """CheckpointError naming the first architecture setting in which the checkpoint's config.json differs from
-    the model built from this run's config (loading it would fail deep in a state-dict load, or worse, half-work)."""
+def check_model_shape(path: Path, hf_config, lora_cfg=None) -> None:
+    """CheckpointError naming the first setting in which the checkpoint differs from the model this run builds:
+    an architecture setting of its config.json, or its kind (a LoRA adapter, or full weights) and the adapter's
+    r, alpha and target modules. Loading it would fail deep in a state-dict load, or worse, half-work."""
     f = Path(path) / "config.json"
     if not f.is_file():
         return
-    saved, now = json.loads(f.read_text()), hf_config.to_dict()
-    for key in _SHAPE_KEYS:
-        if key in saved and key in now and saved[key] != now[key]:
-            raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: the checkpoint is of another model "
-                                  f"({key} = {saved[key]} there, {now[key]} in this run's model section)")
+    try:
+        saved, now = json.loads(f.read_text()), hf_config.to_dict()
+        for key in _SHAPE_KEYS:
+            if key in saved and key in now and saved[key] != now[key]:
+                _other_model(path, f"{key} = {saved[key]} there, {now[key]} in this run's model section")
+        difference = _adapter_difference(Path(path), lora_cfg)
+    except (ValueError, TypeError, AttributeError) as e:  # CheckpointError is a ValueError: raised as it is
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: config.json or adapter_config.json "
+                              f"is unreadable: {e}") from None
+    if difference:
+        _other_model(path, difference)
+
+
+def _other_model(path, what: str):
+    raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: the checkpoint is of another model "
+                          f"({what})")
+
+
+def _adapter_difference(path: Path, lora_cfg) -> str | None:
+    """How the checkpoint's LoRA adapter (adapter_config.json), or its lack of one, differs from this run's lora
+    section; None when they match."""
+    run_r = lora_cfg.r if lora_cfg is not None else 0
+    f = path / LORA_CONFIG_FILE
+    if not f.is_file():
+        return None if not run_r else f"full model weights there, a LoRA adapter (lora.r = {run_r}) in this run; " \
+                                      f"set lora.r=0 to resume it"
+    saved = json.loads(f.read_text())
+    if not run_r:
+        return f"a LoRA adapter (r = {saved.get('r')}) there, full fine-tuning (lora.r = 0) in this run; set " \
+               f"lora.r={saved.get('r')} to resume it"
+    pairs = [("lora.r", saved.get("r"), run_r), ("lora.alpha", saved.get("lora_alpha"), lora_cfg.alpha),
+             ("lora.target_modules", sorted(saved.get("target_modules") or []), sorted(lora_cfg.target_modules))]
+    for key, there, here in pairs:
+        if there != here:
+            return f"{key} = {there} there, {here} in this run"
+    return None
 
 
 def read_trainer_state(path: Path) -> dict:

@@ -167,7 +167,7 @@ class GRPOTrainer:
                                                      self.cfg.verify_checkpoint_hashes,
                                                      self.cfg.start_over_if_no_intact_checkpoint)
                 if path is not None:  # before any weight is read: a checkpoint of another model stops here
-                    ckpt.check_model_shape(path, self.hf_model.config)
+                    ckpt.check_model_shape(path, self.hf_model.config, self.cfg.lora)
             except ckpt.CheckpointError as e:
                 error = str(e)
         path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))

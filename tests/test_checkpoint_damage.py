@@ -206,3 +206,26 @@ def test_resume_refuses_a_file_the_manifest_does_not_list(runs, tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     [line] = error_lines(r.stderr)
     assert f"'resume_from_checkpoint' = {ck}: optimizer.pt is on disk but not in manifest.json" in line, line
+
+
+# ---------------------------------------------------------------------------------- 4: LoRA <-> full, config.yaml
+@pytest.mark.parametrize("run, overrides, want", [
+    ("full", [LORA], "full model weights there, a LoRA adapter (lora.r = 4) in this run"),
+    ("lora", [], "a LoRA adapter (r = 4) there, full fine-tuning (lora.r = 0) in this run"),
+    ("lora", ["lora.r=8"], "lora.r = 4 there, 8 in this run"),
+    ("lora", [LORA, "lora.target_modules=[q_proj]"], "lora.target_modules = ["),
+    ("full", ["distributed.cpu_offload=true"], "cpu_offload"),  # any failed start, not only a checkpoint's
+])
+def test_other_kind_of_checkpoint_stops_and_config_yaml_is_left_as_it_was(runs, tmp_path, run, overrides, want):
+    """Before: a LoRA checkpoint resumed into a full run (or back) ended in a 100-line traceback, exit 1, and every
+    failed start had rewritten config.yaml with its own settings."""
+    out = copy_run(runs, run, tmp_path, keep={"checkpoint-1"})
+    config = (out / "config.yaml").read_bytes()
+    r = train(out, "resume_from_checkpoint=auto", "max_steps=2", *overrides)
+    assert r.returncode == 2, r.stderr[-3000:]
+    [line] = error_lines(r.stderr)
+    assert want in line, line
+    if "cpu_offload" not in want:
+        assert f"'resume_from_checkpoint' = {out}/checkpoint-1: the checkpoint is of another model" in line, line
+    assert (out / "config.yaml").read_bytes() == config
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
