@@ -35,7 +35,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults, manifest
 from grpo_dist.engines import Engine
 from grpo_dist.manifest import LORA_ADAPTER_FILE, LORA_CONFIG_FILE, MANIFEST, SHARDED_DIR
-from grpo_dist.write_errors import describe_write_failure
+from grpo_dist.write_errors import describe_write_failure, writing
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DAMAGED_DIR = "damaged"  # output_dir/damaged/: checkpoints found damaged, moved aside (never deleted by a run)
@@ -301,7 +301,8 @@ def write_hf_weights(out: Path, specs: dict, read, tie_word_embeddings: bool = F
     for i, names in enumerate(groups, 1):
         fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors = {k: v.contiguous() for k, v in read(names).items()}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        with writing(out / fname):
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
         os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates it 0600: colleagues could not read it
         total += sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map.update({k: fname for k in names})
@@ -382,7 +383,8 @@ def _make_tmp(out: Path, tmp: Path) -> None:
 
 def _write_rank_files(tmp: Path, ctx, tokenizer, trainer_state: dict, save_format: str) -> None:
     """Every rank its RNG state; rank 0 the tokenizer and trainer_state.json."""
-    torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
+    with writing(tmp / f"rng_state_{ctx.rank}.pt"):
+        torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
     if ctx.is_main:
         tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(
@@ -414,8 +416,10 @@ def _attempt(where: Path, rank: int, write, *args) -> str | None:
         write(*args)
         return None
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the rest re-raised
-        if isinstance(e, (KeyboardInterrupt, SystemExit, CheckpointError)):
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        if isinstance(e, CheckpointError):  # a damaged checkpoint that could not be moved aside: agreed on too
+            return f"rank {rank}: {e}"
         reason = describe_write_failure(e, where)
         if reason is None:
             raise
@@ -431,11 +435,16 @@ def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, opti
     _save_hf_config(hf_model, tmp)  # what from_pretrained / an export needs besides the weights
     if save_format != "sharded" and lora_cfg is not None:
         _save_lora(tmp, model_sd, lora_cfg, base_name, hf_model, tokenizer)
-        torch.save(optim_sd, tmp / "optimizer.pt")
+        _save_optimizer(optim_sd, tmp)
     elif save_format != "sharded":
         write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
                          lambda names: {k: model_sd[k] for k in names},
                          getattr(hf_model.config, "tie_word_embeddings", False))
+        _save_optimizer(optim_sd, tmp)
+
+
+def _save_optimizer(optim_sd: dict, tmp: Path) -> None:
+    with writing(tmp / "optimizer.pt"):
         torch.save(optim_sd, tmp / "optimizer.pt")
 
 
@@ -459,7 +468,8 @@ def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokeniz
     """LoRA: the adapter in peft's format (the base weights are the model's own, never changed), and with
     lora.save_merged an HF directory merged/ of the base model with the adapter merged in."""
     from grpo_dist import lora
-    lora.save_adapter(out, model_sd, lora_cfg, base_name)
+    with writing(out / LORA_ADAPTER_FILE):
+        lora.save_adapter(out, model_sd, lora_cfg, base_name)
     if lora_cfg.save_merged:
         merged = lora.merged(model_sd, lora.scaling(lora_cfg))
         (out / "merged").mkdir()

@@ -162,6 +162,13 @@ def _fingerprint(ckpt: Path) -> tuple:
 
 
 def _verify_now(ckpt: Path, check_hashes: bool) -> str | None:
+    try:
+        return _problem(ckpt, check_hashes)
+    except OSError as e:  # unreadable files: damaged as far as a resume can tell, and said so
+        return f"cannot be read: {e.strerror or e} ({e.filename or ckpt})"
+
+
+def _problem(ckpt: Path, check_hashes: bool) -> str | None:
     files, problem = read_manifest(ckpt)
     if files is None:
         return problem

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # errnos of a write the disk refused (not the program's fault)
@@ -21,6 +23,25 @@ WRITE_MESSAGES = ("no space left on device", "os error 28", "iostream error", "d
                   "file too large", "input/output error", "failed writing file", "file write failed")
 # below this many free bytes an unrecognised exception during a write counts as a full disk
 NEARLY_FULL_BYTES = 1 << 20
+
+
+class WriteFailed(Exception):
+    """A write that failed for the disk's reasons, its one-line description naming the file (see `writing`)."""
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Around one writer call: a failed write becomes WriteFailed naming `path` (safetensors' and torch.save's own
+    messages do not name the file); anything else passes through untouched."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, WriteFailed):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the rest re-raised
+        reason = describe_write_failure(e, path)
+        if reason is None:
+            raise
+        raise WriteFailed(reason) from e
 
 
 def _checkpoint_exception() -> type[BaseException]:
@@ -33,6 +54,8 @@ def _checkpoint_exception() -> type[BaseException]:
 
 def describe_write_failure(e: BaseException, where: Path) -> str | None:
     """One line saying why writing `where` failed, or None when e is not a failed write (re-raise it)."""
+    if isinstance(e, WriteFailed):
+        return str(e)
     if isinstance(e, OSError):
         return f"{e.strerror or e} ({e.filename or where})"
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
