@@ -14,7 +14,13 @@ rank. config.json and the tokenizer are still written, so `python -m grpo_dist.t
 into an HF safetensors directory.
 
 A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once the manifest is written, so a
-crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one.
+crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one. A write that
+fails (a full disk, on any rank) stops every rank with CheckpointError naming the last good checkpoint.
+
+What counts as intact is manifest.py's: the manifest lists exactly the files on disk, and every file the format
+needs. A damaged checkpoint is never resumed from, counted by pruning, deleted or overwritten: auto-resume,
+pruning and a save of the same step move it to output_dir/damaged/ (one line each). When auto-resume finds
+checkpoints but none intact, the run stops unless start_over_if_no_intact_checkpoint is set.
 """
 
 from __future__ import annotations
