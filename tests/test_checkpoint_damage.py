@@ -56,11 +56,13 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Made once: a full run with checkpoint-1..4, a LoRA run with checkpoint-1."""
+    """Made once: a full run with checkpoint-1..4, a LoRA and a sharded run with checkpoint-1."""
     tmp = tmp_path_factory.mktemp("runs")
     r = train(tmp / "full", "max_steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
     r = train(tmp / "lora", "max_steps=1", LORA)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train(tmp / "sharded", "max_steps=1", "save_format=sharded")
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp
 
@@ -115,11 +117,15 @@ def test_all_damaged_stops_naming_each_and_changes_nothing(runs, tmp_path):
     assert digest(out) == before  # checkpoints, metrics and config.yaml untouched
 
 
-def test_damaged_newest_is_moved_aside_named_and_never_overwritten(runs, tmp_path):
+@pytest.mark.parametrize("damage", ["flip", "empty_manifest"])
+def test_damaged_newest_is_moved_aside_named_and_never_overwritten(runs, tmp_path, damage):
     """auto-resume falls back to checkpoint-3 and says so naming both; before, the run deleted the damaged
-    checkpoint-4 when it saved step 4 again."""
+    checkpoint-4 when it saved step 4 again (flip), or crashed with AttributeError ({"files": []})."""
     out = copy_run(runs, "full", tmp_path)
-    flip(out / "checkpoint-4" / "optimizer.pt")
+    if damage == "flip":
+        flip(out / "checkpoint-4" / "optimizer.pt")
+    else:
+        (out / "checkpoint-4" / "manifest.json").write_text('{"files": []}')
     damaged = digest(out / "checkpoint-4")
     r = train(out, "resume_from_checkpoint=auto", "max_steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -175,6 +181,13 @@ def test_manifest_must_list_every_file_and_every_required_one(runs, tmp_path):
         {"files": {k: v for k, v in d["files"].items() if k != "adapter_model.safetensors"}}))
     (ck / "adapter_model.safetensors").unlink()
     assert "adapter_model.safetensors missing: a LoRA adapter checkpoint" in verify_checkpoint(ck)
+    # ... and a sharded checkpoint's DCP metadata
+    ck = fresh("sharded")
+    assert verify_checkpoint(ck, check_hashes=True) is None
+    _edit_manifest(ck, lambda d: json.dumps(
+        {"files": {k: v for k, v in d["files"].items() if k != "sharded/.metadata"}}))
+    (ck / "sharded" / ".metadata").unlink()
+    assert "sharded/.metadata missing: a sharded checkpoint" in verify_checkpoint(ck)
     # rng state of rank 0
     ck = fresh()
     _edit_manifest(ck, lambda d: json.dumps({"files": {k: v for k, v in d["files"].items() if "rng" not in k}}))
