@@ -14,12 +14,17 @@ rank. config.json and the tokenizer are still written, so `python -m grpo_dist.t
 into an HF safetensors directory.
 
 A checkpoint is written into `.tmp-checkpoint-<step>` and renamed into place only once the manifest is written, so a
-crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one.
+crash while saving never leaves a half-written `checkpoint-<step>` and never touches the previous one. A write that
+fails (a full disk, on any rank) stops every rank with CheckpointError naming the last good checkpoint.
+
+What counts as intact is manifest.py's: the manifest lists exactly the files on disk, and every file the format
+needs. A damaged checkpoint is never resumed from, counted by pruning, deleted or overwritten: auto-resume,
+pruning and a save of the same step move it to output_dir/damaged/ (one line each). When auto-resume finds
+checkpoints but none intact, the run stops unless start_over_if_no_intact_checkpoint is set.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -27,28 +32,25 @@ import re
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from grpo_dist import distributed as gdist
-from grpo_dist import faults
+from grpo_dist import faults, manifest
 from grpo_dist.engines import Engine
+from grpo_dist.manifest import LORA_ADAPTER_FILE, LORA_CONFIG_FILE, MANIFEST, SHARDED_DIR
+from grpo_dist.write_errors import describe_write_failure, writing
 
-MANIFEST = "manifest.json"
-LORA_ADAPTER_FILE = "adapter_model.safetensors"
-SHARDED_DIR = "sharded"
 TMP_PREFIX = ".tmp-checkpoint-"
+DAMAGED_DIR = "damaged"  # output_dir/damaged/: checkpoints found damaged, moved aside (never deleted by a run)
+START_OVER_KEY = "start_over_if_no_intact_checkpoint"
 # save_format=auto writes full-state checkpoints up to this many parameters, sharded (DCP) ones above. A full-state
 # save holds the fp32 weights and both AdamW moments (12 bytes per parameter, ~48 GB at 4B) in rank 0's host memory
 # and writes them from that one process; beyond this it is slow and the first thing to run out of memory.
 FULL_STATE_MAX_PARAMS = 4_000_000_000
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-# Files hashed at once when verifying: hashlib releases the GIL, so threads overlap reading and hashing (one big
-# file still takes one core: ~1.5 GB/s of sha256 with SHA-NI).
-_HASH_THREADS = 8
 
 
 class CheckpointError(ValueError):
@@ -64,12 +66,7 @@ def resolve_save_format(save_format: str, num_params: int, engine: Engine) -> st
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+_sha256 = manifest.sha256_file  # bench/verify.py
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,10 +88,6 @@ def _describe(ckpt: Path, names: list[str]) -> dict:
     return out
 
 
-def _files(ckpt: Path) -> list[str]:
-    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
 def _write_manifest_file(ckpt: Path, files: dict) -> None:
     tmp = ckpt / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -104,39 +97,24 @@ def _write_manifest_file(ckpt: Path, files: dict) -> None:
     os.replace(tmp, ckpt / MANIFEST)
 
 
-def _write_manifest_collective(ckpt: Path, ctx) -> None:
+def _write_manifest_collective(ckpt: Path, ctx) -> str | None:
     """Every rank fsyncs and hashes a share of the files (a sharded checkpoint can be hundreds of GB); rank 0
-    writes the manifest."""
-    names = gdist.broadcast_object(_files(ckpt) if ctx.is_main else None)
-    mine = _describe(ckpt, names[ctx.rank::ctx.world_size])
+    writes the manifest. Returns this rank's write error (None when it went well)."""
+    names = gdist.broadcast_object(manifest.files_on_disk(ckpt) if ctx.is_main else None)
+    mine: dict = {}
+    error = _attempt(ckpt, ctx.rank, lambda: mine.update(_describe(ckpt, names[ctx.rank::ctx.world_size])))
     parts = gdist.gather_object(mine)
-    if ctx.is_main:
+    if ctx.is_main and error is None:
         assert parts is not None  # gather_object returns the list on rank 0
-        _write_manifest_file(ckpt, {k: v for part in parts for k, v in part.items()})
+        error = _attempt(ckpt / MANIFEST, ctx.rank, _write_manifest_file, ckpt,
+                         {k: v for part in parts for k, v in part.items()})
+    return error
 
 
 def verify_checkpoint(ckpt: Path, check_hashes: bool = False) -> str | None:
-    """None when complete, else what is wrong. Sizes always; sha256 only with check_hashes (reads every byte,
-    files hashed in parallel threads)."""
-    m = ckpt / MANIFEST
-    if not m.is_file():
-        return "no manifest.json (incomplete save)"
-    try:
-        files = json.loads(m.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest: {e}"
-    for name, info in files.items():
-        p = ckpt / name
-        if not p.is_file() or p.stat().st_size != info["size"]:
-            return f"{name} is missing or has the wrong size"
-    if check_hashes:
-        names = sorted(files, key=lambda n: -files[n]["size"])  # biggest first: the pool finishes together
-        with ThreadPoolExecutor(min(_HASH_THREADS, max(1, len(names)))) as pool:
-            digests = dict(zip(names, pool.map(lambda n: _sha256(ckpt / n), names)))
-        for name in sorted(files):
-            if digests[name] != files[name]["sha256"]:
-                return f"{name} has the wrong checksum (sha256 differs from manifest.json): the file is corrupted"
-    return None
+    """None when intact, else what is wrong (manifest.verify: manifest, required files, sizes, with check_hashes
+    sha256)."""
+    return manifest.verify(Path(ckpt), check_hashes)
 
 
 def checkpoint_bytes(ckpt: Path) -> int:
@@ -153,25 +131,69 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(output_dir: str | Path, check_hashes: bool = False) -> Path | None:
-    """The newest complete checkpoint (partial ones are skipped; with check_hashes also corrupted ones, each named
-    in a warning)."""
+    """The newest intact checkpoint (damaged ones are passed over; nothing is printed or moved)."""
     for _, p in reversed(list_checkpoints(output_dir)):
-        problem = verify_checkpoint(p, check_hashes)
-        if problem is None:
+        if verify_checkpoint(p, check_hashes) is None:
             return p
-        if check_hashes:
-            print(f"[grpo_dist] warning: skipping {p}: {problem}; trying the previous checkpoint", file=sys.stderr,
-                  flush=True)
     return None
 
 
-def resolve_resume_path(value: str | None, output_dir: str, check_hashes: bool = False) -> Path | None:
-    """'auto': the newest complete (and, with check_hashes, intact) checkpoint in output_dir, or None (start fresh)
-    when there is none. A named checkpoint must exist and be intact (CheckpointError otherwise)."""
+def move_aside(ckpt: Path, problem: str) -> Path:
+    """Move a damaged checkpoint into output_dir/damaged/ (no run resumes from, prunes or overwrites it there) and
+    say so in one line. CheckpointError if it cannot be moved: the run must not go on deleting around it."""
+    dest_dir = ckpt.parent / DAMAGED_DIR
+    dest = dest_dir / ckpt.name
+    n = 1
+    while dest.exists():  # an earlier run moved a checkpoint of this step already: keep both
+        n += 1
+        dest = dest_dir / f"{ckpt.name}.{n}"
+    try:
+        dest_dir.mkdir(exist_ok=True)
+        os.replace(ckpt, dest)
+    except OSError as e:
+        raise CheckpointError(f"{ckpt} is damaged ({problem}) and could not be moved to {dest}: {e.strerror}; "
+                              f"move or delete it by hand") from None
+    print(f"[grpo_dist] warning: {ckpt}: {problem}; moved it to {dest} (kept; runs never resume from, prune or "
+          f"overwrite it there)", file=sys.stderr, flush=True)
+    return dest
+
+
+def resolve_auto(output_dir: str, check_hashes: bool, start_over: bool) -> Path | None:
+    """resume_from_checkpoint=auto: the newest intact checkpoint in output_dir, or None (start at step 0) when
+    there is none at all. Damaged ones newer than it are moved aside, each named. When there are checkpoints but
+    none is intact: CheckpointError naming each (nothing moved), unless start_over (then all are moved aside)."""
+    damaged, chosen = [], None
+    for _, p in reversed(list_checkpoints(output_dir)):
+        problem = verify_checkpoint(p, check_hashes)
+        if problem is None:
+            chosen = p
+            break
+        damaged.append((p, problem))
+    if damaged and chosen is None and not start_over:
+        listing = "; ".join(f"{p.name}: {problem}" for p, problem in damaged)
+        raise CheckpointError(f"config key 'resume_from_checkpoint' = auto: no intact checkpoint in {output_dir} "
+                              f"({listing}); nothing was changed. To start over from step 0 instead, set "
+                              f"{START_OVER_KEY}=true (the damaged checkpoints are then moved to "
+                              f"{Path(output_dir) / DAMAGED_DIR}, not deleted)")
+    for p, problem in damaged:
+        move_aside(p, problem)
+    if damaged and chosen is not None:
+        print(f"[grpo_dist] warning: auto-resume: the newest checkpoint {damaged[0][0]} is damaged; resuming from "
+              f"the older {chosen}", file=sys.stderr, flush=True)
+    elif damaged:
+        print(f"[grpo_dist] warning: auto-resume: no intact checkpoint in {output_dir}; {START_OVER_KEY}=true: "
+              f"starting over from step 0", file=sys.stderr, flush=True)
+    return chosen
+
+
+def resolve_resume_path(value: str | None, output_dir: str, check_hashes: bool = False,
+                        start_over: bool = False) -> Path | None:
+    """'auto': resolve_auto. A named checkpoint must exist and be intact (CheckpointError otherwise; it is the
+    user's to fix, so it is never moved)."""
     if not value:
         return None
     if value == "auto":
-        return latest_checkpoint(output_dir, check_hashes)
+        return resolve_auto(output_dir, check_hashes, start_over)
     p = Path(value)
     if not p.exists():
         raise CheckpointError(f"config key 'resume_from_checkpoint' = {value}: no such directory")
@@ -181,10 +203,11 @@ def resolve_resume_path(value: str | None, output_dir: str, check_hashes: bool =
     return p
 
 
-def resolve_and_verify(value: str | None, output_dir: str, check_hashes: bool) -> tuple[Path | None, str]:
+def resolve_and_verify(value: str | None, output_dir: str, check_hashes: bool,
+                       start_over: bool = False) -> tuple[Path | None, str]:
     """resolve_resume_path plus a note of what the verification cost (for the log)."""
     t0 = time.perf_counter()
-    path = resolve_resume_path(value, output_dir, check_hashes)
+    path = resolve_resume_path(value, output_dir, check_hashes, start_over)
     if path is None or not check_hashes:
         return path, ""
     mb = checkpoint_bytes(path) / 1e6
@@ -196,17 +219,51 @@ _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "
                "num_key_value_heads", "intermediate_size", "head_dim", "tie_word_embeddings")
 
 
-def check_model_shape(path: Path, hf_config) -> None:
-    """CheckpointError naming the first architecture setting in which the checkpoint's config.json differs from
-    the model built from this run's config (loading it would fail deep in a state-dict load, or worse, half-work)."""
+def check_model_shape(path: Path, hf_config, lora_cfg=None) -> None:
+    """CheckpointError naming the first setting in which the checkpoint differs from the model this run builds:
+    an architecture setting of its config.json, or its kind (a LoRA adapter, or full weights) and the adapter's
+    r, alpha and target modules. Loading it would fail deep in a state-dict load, or worse, half-work."""
     f = Path(path) / "config.json"
     if not f.is_file():
         return
-    saved, now = json.loads(f.read_text()), hf_config.to_dict()
-    for key in _SHAPE_KEYS:
-        if key in saved and key in now and saved[key] != now[key]:
-            raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: the checkpoint is of another model "
-                                  f"({key} = {saved[key]} there, {now[key]} in this run's model section)")
+    try:
+        saved, now = json.loads(f.read_text()), hf_config.to_dict()
+        for key in _SHAPE_KEYS:
+            if key in saved and key in now and saved[key] != now[key]:
+                _other_model(path, f"{key} = {saved[key]} there, {now[key]} in this run's model section")
+        difference = _adapter_difference(Path(path), lora_cfg)
+    except (ValueError, TypeError, AttributeError) as e:  # CheckpointError is a ValueError: raised as it is
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: config.json or adapter_config.json "
+                              f"is unreadable: {e}") from None
+    if difference:
+        _other_model(path, difference)
+
+
+def _other_model(path, what: str):
+    raise CheckpointError(f"config key 'resume_from_checkpoint' = {path}: the checkpoint is of another model "
+                          f"({what})")
+
+
+def _adapter_difference(path: Path, lora_cfg) -> str | None:
+    """How the checkpoint's LoRA adapter (adapter_config.json), or its lack of one, differs from this run's lora
+    section; None when they match."""
+    run_r = lora_cfg.r if lora_cfg is not None else 0
+    f = path / LORA_CONFIG_FILE
+    if not f.is_file():
+        return None if not run_r else f"full model weights there, a LoRA adapter (lora.r = {run_r}) in this run; " \
+                                      f"set lora.r=0 to resume it"
+    saved = json.loads(f.read_text())
+    if not run_r:
+        return f"a LoRA adapter (r = {saved.get('r')}) there, full fine-tuning (lora.r = 0) in this run; set " \
+               f"lora.r={saved.get('r')} to resume it"
+    pairs = [("lora.r", saved.get("r"), run_r), ("lora.alpha", saved.get("lora_alpha"), lora_cfg.alpha),
+             ("lora.target_modules", sorted(saved.get("target_modules") or []), sorted(lora_cfg.target_modules))]
+    for key, there, here in pairs:
+        if there != here:
+            return f"{key} = {there} there, {here} in this run"
+    return None
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -250,7 +307,8 @@ def write_hf_weights(out: Path, specs: dict, read, tie_word_embeddings: bool = F
     for i, names in enumerate(groups, 1):
         fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors = {k: v.contiguous() for k, v in read(names).items()}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        with writing(out / fname):
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
         os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates it 0600: colleagues could not read it
         total += sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map.update({k: fname for k in names})
@@ -288,57 +346,90 @@ def _save_hf_config(hf_model, out: Path) -> None:
 # --------------------------------------------------------------------------------------------------- save, load
 def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
-                    save_format: str = "full", lora_cfg=None, base_name: str | None = None) -> Path:
+                    save_format: str = "full", lora_cfg=None, base_name: str | None = None,
+                    check_hashes: bool = False) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
-    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune.
-    A write error on any rank (a full disk) raises CheckpointError on every rank, naming the last good checkpoint;
-    the partial copy is removed and the previous checkpoints are untouched."""
+    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune
+    (check_hashes: the checkpoints pruning keeps are verified by sha256, each once per process).
+    A write error on any rank (a full disk: write_errors.py) raises CheckpointError on every rank, naming the last
+    good checkpoint; the partial copy is removed and the previous checkpoints are untouched."""
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"{TMP_PREFIX}{step}"
-    error = None
-    if ctx.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            for stale in out.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save; never complete
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as e:
-            error = _write_error(e, ctx.rank)
+    error = _attempt(tmp, ctx.rank, _make_tmp, out, tmp) if ctx.is_main else None
     _agree_on_write(error, tmp, out, step, ctx)
-    if save_format == "sharded":
-        engine.save_sharded(tmp / SHARDED_DIR)
+    if save_format == "sharded":  # collective: DCP raises its CheckpointException on every rank alike
+        error = _attempt(tmp / SHARDED_DIR, ctx.rank, engine.save_sharded, tmp / SHARDED_DIR)
         model_sd = optim_sd = None
     else:
         model_sd, optim_sd = engine.gather_full_state()
-    try:
-        _write_main_files(tmp, save_format, hf_model, ctx, model_sd, optim_sd, lora_cfg, base_name,
-                          tokenizer)
-    except OSError as e:
-        error = _write_error(e, ctx.rank)
+    if error is None:
+        error = _attempt(tmp, ctx.rank, _write_main_files, tmp, save_format, hf_model, ctx, model_sd, optim_sd,
+                         lora_cfg, base_name, tokenizer)
     del model_sd, optim_sd
     # backend-specific state for an exact resume (DeepSpeed: deepspeed/); collective: every rank, whatever happened
-    engine.save_engine_state(tmp)
-    try:
-        torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
-        if ctx.is_main:
-            tokenizer.save_pretrained(tmp)
-            (tmp / "trainer_state.json").write_text(
-                json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
-    except OSError as e:
-        error = error or _write_error(e, ctx.rank)
+    error = _attempt(tmp, ctx.rank, engine.save_engine_state, tmp) or error
+    if error is None:
+        error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, tokenizer, trainer_state, save_format)
     faults.inject("kill_save", step, ctx.rank)
     _agree_on_write(error, tmp, out, step, ctx)  # every rank's files are written
-    _write_manifest_collective(tmp, ctx)
-    if ctx.is_main:
-        if final.exists():  # a stale copy of this very step (re-run after a crash): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(out)
-        if save_total_limit:
-            prune_checkpoints(out, save_total_limit, keep)
-    gdist.barrier()
+    _agree_on_write(_write_manifest_collective(tmp, ctx), tmp, out, step, ctx)
+    error = _attempt(final, ctx.rank, _publish, tmp, final, save_total_limit, keep, check_hashes) \
+        if ctx.is_main else None
+    _agree_on_write(error, tmp, out, step, ctx)  # also the barrier: the checkpoint is in place for every rank
     return final
+
+
+def _make_tmp(out: Path, tmp: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save; never complete
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _write_rank_files(tmp: Path, ctx, tokenizer, trainer_state: dict, save_format: str) -> None:
+    """Every rank its RNG state; rank 0 the tokenizer and trainer_state.json."""
+    with writing(tmp / f"rng_state_{ctx.rank}.pt"):
+        torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
+    if ctx.is_main:
+        tokenizer.save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(
+            json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
+
+
+def _publish(tmp: Path, final: Path, save_total_limit: int | None, keep: Path | None, check_hashes: bool) -> None:
+    """Rank 0: rename the finished checkpoint into place, remember it as intact, prune."""
+    if final.exists():
+        # A copy of this very step: left by a run that crashed after writing it and resumed from an older one, or
+        # that a run named an older checkpoint to resume from. Replaced when intact; a damaged one is evidence and
+        # is kept, moved aside.
+        problem = verify_checkpoint(final, check_hashes)
+        if problem:
+            move_aside(final, problem)
+        else:
+            shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    manifest.remember_intact(final)
+    if save_total_limit:
+        prune_checkpoints(final.parent, save_total_limit, keep, check_hashes)
+
+
+def _attempt(where: Path, rank: int, write, *args) -> str | None:
+    """Run write(*args); None when it worked, else the one-line reason of a failed write ("rank R: ..."). Any other
+    exception is a bug and propagates."""
+    try:
+        write(*args)
+        return None
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the rest re-raised
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(e, CheckpointError):  # a damaged checkpoint that could not be moved aside: agreed on too
+            return f"rank {rank}: {e}"
+        reason = describe_write_failure(e, where)
+        if reason is None:
+            raise
+        return f"rank {rank}: {reason}"
 
 
 def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, optim_sd, lora_cfg=None,
@@ -350,36 +441,41 @@ def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, opti
     _save_hf_config(hf_model, tmp)  # what from_pretrained / an export needs besides the weights
     if save_format != "sharded" and lora_cfg is not None:
         _save_lora(tmp, model_sd, lora_cfg, base_name, hf_model, tokenizer)
-        torch.save(optim_sd, tmp / "optimizer.pt")
+        _save_optimizer(optim_sd, tmp)
     elif save_format != "sharded":
         write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
                          lambda names: {k: model_sd[k] for k in names},
                          getattr(hf_model.config, "tie_word_embeddings", False))
+        _save_optimizer(optim_sd, tmp)
+
+
+def _save_optimizer(optim_sd: dict, tmp: Path) -> None:
+    with writing(tmp / "optimizer.pt"):
         torch.save(optim_sd, tmp / "optimizer.pt")
 
 
-def _write_error(e: OSError, rank: int) -> str:
-    return f"rank {rank}: {e.strerror or e} ({e.filename or 'while writing'})"
-
-
 def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> None:
-    """Barrier that also shares write errors: every rank raises the first one (rank 0 removes the partial copy)."""
+    """Barrier that also shares write errors: every rank raises the first one (rank 0 removes the partial copy and
+    names the last good checkpoint)."""
     errors = gdist.gather_object(error) or []  # rank 0 gets the list; the others None
     first = gdist.broadcast_object(next((e for e in errors if e), None) if ctx.is_main else None)
     if first is None:
         return
+    last = None
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    last = latest_checkpoint(out)
-    raise CheckpointError(f"writing checkpoint-{step} in {out} failed: {first}; the last good checkpoint is "
-                          f"{last if last else 'none (no complete checkpoint in output_dir)'}")
+        last = latest_checkpoint(out)  # remembered verdicts: the checkpoints already hashed are not read again
+    last = gdist.broadcast_object(str(last) if last else None)
+    raise CheckpointError(f"writing checkpoint-{step} in {out} failed: {first}; the partial copy was removed; the "
+                          f"last good checkpoint is {last or 'none (no intact checkpoint in output_dir)'}")
 
 
 def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokenizer) -> None:
     """LoRA: the adapter in peft's format (the base weights are the model's own, never changed), and with
     lora.save_merged an HF directory merged/ of the base model with the adapter merged in."""
     from grpo_dist import lora
-    lora.save_adapter(out, model_sd, lora_cfg, base_name)
+    with writing(out / LORA_ADAPTER_FILE):
+        lora.save_adapter(out, model_sd, lora_cfg, base_name)
     if lora_cfg.save_merged:
         merged = lora.merged(model_sd, lora.scaling(lora_cfg))
         (out / "merged").mkdir()
@@ -390,13 +486,22 @@ def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokeniz
         tokenizer.save_pretrained(out / "merged")
 
 
-def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None) -> None:
-    """Keep the newest `limit` complete checkpoints (and `keep`, the one a run resumed from)."""
-    complete = [p for _, p in list_checkpoints(output_dir) if verify_checkpoint(p) is None]
-    for p in complete[:-limit]:
-        if keep is not None and p.resolve() == Path(keep).resolve():
-            continue
-        shutil.rmtree(p, ignore_errors=True)
+def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None, check_hashes: bool = False) -> None:
+    """Keep the newest `limit` intact checkpoints (and `keep`, the one a run resumed from); delete the older intact
+    ones. Only intact checkpoints count: a damaged one is moved aside, never kept as "the newest" nor deleted.
+    The ones kept are verified as resume would (sha256 with check_hashes; each checkpoint once per process); the
+    ones about to be deleted by sizes and manifest only, as reading them all would cost more than they are worth."""
+    kept = 0
+    keep_path = Path(keep).resolve() if keep is not None else None
+    for _, p in reversed(list_checkpoints(output_dir)):
+        is_keep = p.resolve() == keep_path
+        problem = verify_checkpoint(p, check_hashes and (kept < limit or is_keep))
+        if problem:
+            move_aside(p, problem)
+        elif kept < limit:
+            kept += 1
+        elif not is_keep:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:

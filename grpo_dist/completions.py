@@ -21,14 +21,15 @@ class CompletionLog:
     function's value, advantage, completion_tokens. A resumed run first drops the rows of steps after its
     checkpoint (they are redone), like metrics.jsonl."""
 
-    def __init__(self, output_dir: str, per_step: int, enabled: bool, start_step: int = 0):
+    def __init__(self, output_dir: str, per_step: int, enabled: bool, start_step: int = 0,
+                 resuming: bool | None = None):
         self.per_step = per_step
         self._file = None
         if not enabled or per_step <= 0:
             return
         path = Path(output_dir) / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        if start_step > 0:
+        if start_step > 0 if resuming is None else resuming:  # as MetricsLogger
             drop_steps_after(path, start_step)
         self._file = open(path, "a", buffering=1, encoding="utf-8")
 

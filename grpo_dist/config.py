@@ -196,10 +196,15 @@ class GRPOConfig:
                           "an HF directory) | auto (full up to 4B parameters, sharded above)",
                           ("auto", "full", "sharded"))
     resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto' (the newest "
-                                               "complete checkpoint in output_dir; start fresh if there is none)")
+                                               "intact checkpoint in output_dir, newer damaged ones moved to "
+                                               "output_dir/damaged/; start fresh if there is none)")
     verify_checkpoint_hashes: bool = _f(True, "check every file of the checkpoint resumed from against the sha256 in "
                                         "its manifest (rank 0 reads it all once, ~1.5 GB/s per file; auto-resume "
                                         "falls back to the previous intact checkpoint); false: sizes only")
+    start_over_if_no_intact_checkpoint: bool = _f(False, "resume_from_checkpoint=auto in an output_dir whose "
+                                                  "checkpoints are all damaged: false stops the run (exit 2, naming "
+                                                  "each and why); true moves them to output_dir/damaged/ and starts "
+                                                  "from step 0")
     logging_steps: int = _f(1, "print metrics every N steps (metrics.jsonl gets every step)")
     log_completions: int = _f(4, "completions per step written to output_dir/completions.jsonl (prompt, completion, "
                               "reward per function, advantage): rank 0's first rows, i.e. its first prompt's group; "

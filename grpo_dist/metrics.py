@@ -39,7 +39,8 @@ def drop_steps_after(path: Path, step: int) -> None:
 
 class MetricsLogger:
     def __init__(self, output_dir: str, enabled: bool, report_to: list[str], config: dict | None = None,
-                 max_steps: int = 0, progress_bar: bool = True, logging_steps: int = 1, start_step: int = 0):
+                 max_steps: int = 0, progress_bar: bool = True, logging_steps: int = 1, start_step: int = 0,
+                 resuming: bool | None = None):
         self.enabled = enabled
         self.logging_steps = logging_steps
         self._jsonl = self._tb = self._wandb = self._bar = None
@@ -50,7 +51,9 @@ class MetricsLogger:
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to:
             path = out / "metrics.jsonl"
-            if start_step > 0:  # a resumed run redoes the steps after its checkpoint: log them once
+            # A resumed run redoes the steps after its checkpoint: log them once. Also at step 0: an auto-resume
+            # that found no checkpoint (or started over) redoes every step of the run before it.
+            if start_step > 0 if resuming is None else resuming:
                 drop_steps_after(path, start_step)
             self._jsonl = open(path, "a", buffering=1)
         if "tensorboard" in report_to:

@@ -1,10 +1,12 @@
 """`torchrun --nproc_per_node N -m grpo_dist.train --config configs/X.yaml [key=value ...]`
 
 Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes: 0 done, 2 bad config or data,
-3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or gradient (the last checkpoint is
-intact), 75 stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a checkpoint (requeue and resume
-with resume_from_checkpoint=auto). Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh and the sbatch
-scripts pass the workers' code through.
+or a checkpoint that cannot be used or written (missing, damaged, of another model or kind, every checkpoint of
+an auto-resume damaged without start_over_if_no_intact_checkpoint=true; a failed save, e.g. a full disk: the line
+names the last good checkpoint), 3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or
+gradient (the last checkpoint is intact), 75 stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a
+checkpoint (requeue and resume with resume_from_checkpoint=auto). Plain torchrun exits 1 whenever a worker fails;
+launch/torchrun.sh and the sbatch scripts pass the workers' code through.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ def main(argv=None) -> int:
     code, lock = 1, None
     try:
         lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on
-        if ctx.is_main:
+        trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: any failure leaves config.yaml as it was
+        if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")
-        trainer = GRPOTrainer(cfg, ctx)
         code = trainer.train()
         if ctx.is_main and code == 0:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "

@@ -123,9 +123,11 @@ class GRPOTrainer:
         self._maybe_resume()
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
         self.weight_sync_s = 0.0
+        resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
-                                    cfg.progress_bar, cfg.logging_steps, start_step=self.step)
-        self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step)
+                                    cfg.progress_bar, cfg.logging_steps, start_step=self.step, resuming=resuming)
+        self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step,
+                                            resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
 
@@ -162,9 +164,10 @@ class GRPOTrainer:
         if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict
             try:
                 path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
-                                                     self.cfg.verify_checkpoint_hashes)
-                if path is not None:
-                    ckpt.check_model_shape(path, self.hf_model.config)
+                                                     self.cfg.verify_checkpoint_hashes,
+                                                     self.cfg.start_over_if_no_intact_checkpoint)
+                if path is not None:  # before any weight is read: a checkpoint of another model stops here
+                    ckpt.check_model_shape(path, self.hf_model.config, self.cfg.lora)
             except ckpt.CheckpointError as e:
                 error = str(e)
         path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
@@ -710,4 +713,5 @@ class GRPOTrainer:
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
-                                    base_name=self.cfg.model.name_or_path)
+                                    base_name=self.cfg.model.name_or_path,
+                                    check_hashes=self.cfg.verify_checkpoint_hashes)

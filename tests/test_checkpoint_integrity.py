@@ -75,9 +75,12 @@ def test_corrupted_checkpoint_refused_and_auto_falls_back(ckpt_dir, tmp_path, ca
             "model.safetensors has the wrong checksum" in msg, msg
     auto = run_ranks(_resume, 2, tmp_path, str(out), "auto", [])
     assert auto == [("resumed", 1), ("resumed", 1)]
-    # the fallback is announced, naming the bad file
-    assert "checkpoint-2: model.safetensors has the wrong checksum" in capfd.readouterr().err
+    # the fallback is announced, naming the bad file, and the damaged checkpoint is moved aside, not deleted
+    err = capfd.readouterr().err
+    assert "checkpoint-2: model.safetensors has the wrong checksum" in err
+    assert f"moved it to {out}/damaged/checkpoint-2" in err and not (out / "checkpoint-2").exists()
     # with the check turned off the damage goes unnoticed: the key really switches the verification
+    shutil.move(out / "damaged" / "checkpoint-2", out / "checkpoint-2")
     off = run_ranks(_resume, 2, tmp_path, str(out), "auto", ["verify_checkpoint_hashes=false"])
     assert off == [("resumed", 2), ("resumed", 2)]
 
