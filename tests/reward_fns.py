@@ -47,7 +47,7 @@ def always_one(completion: str, reference: str) -> float:
     return 1.0
 
 
-# ------------------------------------------------------------------------- TRL's batch contract (grpo_dist.rewards.batch)
+# ------------------------------------------------------------- TRL's batch contract (grpo_dist.rewards.batch)
 # Written with the signature TRL's documentation gives reward functions: called once per batch with keyword
 # arguments, every dataset column by name as a list, one float (or None: does not apply) per completion.
 
