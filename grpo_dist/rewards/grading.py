@@ -348,6 +348,14 @@ class RewardComputer:
     Calling returns ``(totals, {name: scores})``; an item that times out, or whose
     function raises or returns a non-number (None, NaN, inf, a string, a list),
     scores 0.0 for that function and is counted in ``last_errors``.
+
+    Entries in TRL's batch form (``fn(prompts, completions, completion_ids, **kwargs)``,
+    :mod:`grpo_dist.rewards.batch`), reward models (``{"model": DIR}``,
+    :mod:`grpo_dist.rewards.reward_model`, loaded here on ``device`` in ``dtype``) and
+    remote scorers (``{"url": ...}``, :mod:`grpo_dist.rewards.remote`) are scored once
+    per call on the whole batch; for them None means "does not apply" (not an error):
+    NaN in their scores, left out of the total. ``conversational``: batch scorers get
+    prompts and completions as chat messages (data.use_chat_template).
     """
 
     def __init__(self, specs: list, num_workers: int = 1, timeout_s: float = 5.0, device=None, dtype=None,
