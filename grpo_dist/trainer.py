@@ -43,7 +43,7 @@ from grpo_dist.metrics import MetricsLogger
 from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rewards.batch import rollout_context
+from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
@@ -90,6 +90,10 @@ class GRPOTrainer:
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
                                       conversational=cfg.data.use_chat_template)  # reward models load here
+        bad = argument_problems(self.rewards, self.train_examples)  # a column a batch function needs is missing
+        if bad:
+            self.rewards.close()
+            raise ConfigError(bad[0], bad)
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)

@@ -134,3 +134,21 @@ def test_bad_entries_refused_naming_the_key(entry, key, capsys):
     assert main(["--check", "none", f"rewards=[{entry}]"]) == 2
     err = capsys.readouterr().err
     assert f"'{key}'" in err, err
+
+
+def test_a_column_the_data_lacks_is_refused_at_start(tmp_path):
+    """trl_solution_reward takes `solution`; the arithmetic set has no such column: exit 2 before any model loads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH",
+                                                                                                      "")]))
+    r = subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml",
+                        f"output_dir={tmp_path / 'run'}", "reward_workers=0", "progress_bar=false",
+                        "rewards=[{function: 'reward_fns:trl_solution_reward'}]"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("grpo_dist:")]
+    assert len(lines) == 1 and "'rewards[0].function'" in lines[0] and "takes solution" in lines[0], r.stderr

@@ -98,6 +98,32 @@ def arguments_for(fn, arguments: dict) -> dict:
     return {k: v for k, v in arguments.items() if k in params}
 
 
+def argument_problems(rewards, examples: list) -> list[str]:
+    """What the batch functions of a RewardComputer need and the data cannot give: a parameter without a default
+    that is neither a core argument (prompts, completions, completion_ids, references) nor a column of any row of
+    `examples`. Checked at start, before any model loads."""
+    available = set(_CORE)
+    for e in examples:
+        available.update(getattr(e, "columns", {}) or {})
+    bad = []
+    for k, name in enumerate(rewards.names):
+        scorer = rewards._batch.get(name)
+        if not isinstance(scorer, BatchFunctionScorer):
+            continue
+        try:
+            params = inspect.signature(scorer.fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in available
+                   and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+        if missing:
+            columns = sorted(available - set(_CORE))
+            bad.append(f"config key 'rewards[{k}].function' = {scorer.spec} takes {', '.join(missing)}, which the "
+                       f"training data does not have (its columns: {', '.join(columns) or 'none'}; always given: "
+                       f"{', '.join(_CORE)})")
+    return bad
+
+
 def is_batch_function(fn) -> bool:
     """TRL's batch form: first parameter named prompts or completions, or **kwargs."""
     try:
