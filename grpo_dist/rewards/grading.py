@@ -467,7 +467,11 @@ class RewardComputer:
                                  completion_ids if completion_ids is not None else [[] for _ in range(n)],
                                  columns or {}, self.conversational)
                 for name, scorer in self._batch.items():
-                    scores, errors[name] = scorer.score(rb)
+                    try:
+                        scores, errors[name] = scorer.score(rb)
+                    except Exception:  # noqa: BLE001 - a scorer's own failure: every item an error, counted
+                        scores = [0.0] * n
+                        errors[name] = ["raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]] * n
                     per_fn[name] = [math.nan if v is None else v for v in scores]
             for name, fn in zip(self.names, self.functions):
                 if name not in per_fn:

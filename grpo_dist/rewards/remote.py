@@ -23,6 +23,7 @@ first failure printed once.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -70,7 +71,7 @@ class RemoteScorer:
             except _Permanent as e:
                 reason = str(e)
                 break
-            except (TimeoutError, urllib.error.URLError, OSError) as e:  # transient: retried
+            except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:  # transient
                 reason = _describe(e, timeout)
                 continue
             return check_batch_result(rewards, n, what=f"POST {self.url} answered")
