@@ -100,3 +100,11 @@ def batch_by_config(references, completions):
 def per_item_with_kwargs(completion, reference, **kwargs):
     """Looks batch-form (**kwargs): `batch: false` declares it per completion."""
     return float(reference in completion)
+
+
+def batch_crash(completions, **kwargs):
+    """Kills its worker process when a completion says CRASH."""
+    import os
+    if any("CRASH" in c for c in completions):
+        os._exit(3)
+    return [1.0] * len(completions)

@@ -152,3 +152,29 @@ def test_a_column_the_data_lacks_is_refused_at_start(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.startswith("grpo_dist:")]
     assert len(lines) == 1 and "'rewards[0].function'" in lines[0] and "takes solution" in lines[0], r.stderr
+
+
+def test_a_dead_batch_worker_counts_the_call_and_is_replaced():
+    with RewardComputer(["reward_fns:batch_crash"], num_workers=1, timeout_s=10) as rc:
+        totals, _ = rc(["ok", "CRASH"], ["1", "1"])
+        assert rc.last_errors == {"batch_crash": 2} and totals == [0.0, 0.0]
+        totals, _ = rc(["ok", "fine"], ["1", "1"])
+        assert rc.last_errors == {"batch_crash": 0} and totals == [1.0, 1.0]
+
+
+def test_not_applicable_in_the_metrics_and_the_completion_log(tmp_path):
+    import types
+
+    from grpo_dist.completions import CompletionLog
+    from grpo_dist.trainer import GRPOTrainer
+    nan = float("nan")
+    fake = types.SimpleNamespace(ctx=types.SimpleNamespace(device="cpu"))
+    # one process, no process group: the mean is over the rows the function applied to
+    assert GRPOTrainer._reward_means(fake, {"sol": [1.0, nan, 0.0, nan], "len": [0.5] * 4}) == \
+        {"reward/sol": 0.5, "reward/len": 0.5}
+    log = CompletionLog(str(tmp_path), 2, True)
+    log.write(1, ["p", "p"], ["a", "b"], ["1", "1"], [1.0, 0.5], {"sol": [1.0, nan], "len": [0.0, 0.5]}, [0.1, -0.1],
+              [1, 1])
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["rewards"] for r in rows] == [{"sol": 1.0, "len": 0.0}, {"sol": None, "len": 0.5}]
