@@ -136,6 +136,7 @@ def test_bad_entries_refused_naming_the_key(entry, key, capsys):
     assert f"'{key}'" in err, err
 
 
+@pytest.mark.slow  # a training subprocess (about 2 s: it stops before any model loads)
 def test_a_column_the_data_lacks_is_refused_at_start(tmp_path):
     """trl_solution_reward takes `solution`; the arithmetic set has no such column: exit 2 before any model loads."""
     import os
