@@ -75,6 +75,11 @@ def reward_spec_problems(rewards: list) -> list[str]:
             bad.append(f"unknown config key '{key}.{unknown[0]}' for a {kind} reward; allowed: "
                        f"{', '.join(KIND_KEYS[kind])}")
         w = r.get("weight", 1.0)
+        if isinstance(w, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                w = float(w)
+            except ValueError:
+                pass
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             bad.append(f"config key '{key}.weight' must be a finite number, got {w!r}")
         if "name" in r and (not isinstance(r["name"], str) or not r["name"]):
