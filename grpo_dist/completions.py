@@ -46,7 +46,8 @@ class CompletionLog:
         for i in range(min(self.per_step, len(completions))):
             row = {"step": step, "prompt": prompts[i], "completion": completions[i], "reference": references[i],
                    "reward": float(rewards[i]),
-                   "rewards": {name: float(values[i]) for name, values in per_function.items()},
+                   "rewards": {name: (None if values[i] != values[i] else float(values[i]))  # NaN: n/a
+                               for name, values in per_function.items()},
                    "advantage": float(advantages[i]), "completion_tokens": int(lengths[i])}
             self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
 

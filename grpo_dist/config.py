@@ -232,8 +232,13 @@ class GRPOConfig:
     sampler_correction_cap: float = _f(2.0, "upper cap of that ratio (truncated IS)")
     # Rewards and advantages
     rewards: list = _f(factory=lambda: [{"function": "grpo_dist.rewards:math_reward", "weight": 1.0}],
-                       help="list of {function: module:function, weight: float (finite, |weight| <= 1e6; "
-                       "default 1)}")
+                       help="list of reward entries, each {function: module:function, weight: float, name, batch: "
+                       "true|false (TRL's batch form fn(prompts, completions, completion_ids, **columns) -> "
+                       "list[float|None], detected from the signature when unset)} | {model: DIR_OR_HUB_ID (a "
+                       "sequence classifier with num_labels=1), weight, name, batch_size: 8, max_length} | {url: "
+                       "http://... (POST the batch as JSON -> {rewards: [...]}), weight, name, timeout_s (per "
+                       "request; default reward_timeout_s x batch size), max_retries: 2}; None scores are left out "
+                       "of the weighted sum (grpo_dist.rewards.batch)")
     scale_rewards: str = _f("group", "std used to scale advantages: group | batch | none (Dr. GRPO)",
                             ("group", "batch", "none"))
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")
@@ -244,7 +249,8 @@ class GRPOConfig:
                                           "extra round); with too few groups at the cap the step trains on those")
     mask_truncated_completions: bool = _f(False, "completions without EOS (cut at max_completion_length) take no "
                                           "part in the loss; they still count in their group's advantages")
-    reward_timeout_s: float = _f(5.0, "hard time limit per graded completion (seconds, at most 86400)")
+    reward_timeout_s: float = _f(5.0, "hard time limit per graded completion (a batch reward function or remote "
+                                 "scorer gets this times the number of completions of the call)")
     reward_workers: int = _f(1, "grading worker processes per rank (0: grade in-process)")
     reward_fail_on_all_errors: bool = _f(True, "stop (exit 2) when a reward function fails (raises, times out, "
                                          "returns a non-number) on every completion of a step; fewer failures "
@@ -325,15 +331,8 @@ class GRPOConfig:
         if not self.rewards:
             bad.append("config key 'rewards' is empty: give at least one {function: module:function}")
         bad += self._variant_problems()
-        for i, r in enumerate(self.rewards):
-            if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
-                bad.append(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
-                           f"got {short(r)}")
-                continue
-            if not isinstance(r["function"], str) or ":" not in r["function"]:
-                bad.append(f"config key 'rewards[{i}].function' must be 'module:function', got {short(r['function'])}")
-            if "weight" in r:
-                bad += _weight_problems(r["weight"], f"rewards[{i}].weight")
+        from grpo_dist.rewards.specs import reward_spec_problems  # the three kinds of entry, their keys
+        bad += reward_spec_problems(self.rewards)
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
                 bad.append(f"config key 'report_to' has {short(s)}; allowed: jsonl, tensorboard, wandb")
@@ -479,17 +478,6 @@ def context_problems(prompt_len: int, completion_len: int, limit, source: str) -
         return []
     return [f"config keys 'data.max_prompt_length' + 'max_completion_length' = {prompt_len} + {completion_len} = "
             f"{prompt_len + completion_len} tokens exceed the model's {limit} positions ({source}); lower them"]
-
-
-def _weight_problems(w: Any, key: str) -> list[str]:
-    """A reward weight: a finite number (a numeric string too: YAML 1.1 reads 1e-3 as one) with |w| <= 1e6."""
-    try:
-        number = float(w) if not isinstance(w, bool) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not math.isfinite(number) or abs(number) > MAX_REWARD_WEIGHT:
-        return [f"config key '{key}' must be a finite number with |weight| <= {MAX_REWARD_WEIGHT:.0f}, got {short(w)}"]
-    return []
 
 
 def _number_keys(obj, prefix: str):

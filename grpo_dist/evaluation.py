@@ -17,6 +17,7 @@ import torch
 
 from grpo_dist import distributed as gdist
 from grpo_dist.data import render_prompt
+from grpo_dist.rewards.batch import rollout_context
 from grpo_dist.rollout import cut_off, eos_token_ids
 from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
 
@@ -43,9 +44,10 @@ def k_values(n: int) -> list[int]:
     return ks + [n]
 
 
-def _correct_flags(rewards, completions, references, lengths=None, max_len=None) -> list[bool]:
-    """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct."""
-    totals, per_function = rewards(completions, references, lengths, max_len)
+def _correct_flags(rewards, completions, references, lengths=None, max_len=None, context=None) -> list[bool]:
+    """Full marks from the first reward function (the verifier); shaping rewards never make an answer correct.
+    context: prompts, completion_ids and columns for batch scorers (grpo_dist.rewards.batch.rollout_context)."""
+    totals, per_function = rewards(completions, references, lengths, max_len, **(context or {}))
     first = next(iter(per_function.values()), totals) if per_function else totals
     return [float(r) >= 1.0 for r in first]
 
@@ -75,7 +77,7 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
         batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in chunk], sampling,
                                cfg.data.max_prompt_length, "cpu")
         flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
-                               cfg.max_completion_length)
+                               cfg.max_completion_length, rollout_context(chunk, batch))
         if sample_out is not None and not sample_out and batch.completions:
             sample_out.append((prompts[0].text, batch.completions[0], batch.references[0], flags[0]))
         counts += [sum(flags[i * num_samples:(i + 1) * num_samples]) for i in range(len(chunk))]

@@ -98,6 +98,10 @@ def check_resume_path(value) -> None:
 def check_rewards(rewards: list) -> None:
     from grpo_dist.rewards import resolve_reward_function
     for i, spec in enumerate(rewards):
+        if "model" in spec:  # a reward model: a local directory, or a Hub id reachable (its kind: when it loads)
+            check_model_source(f"rewards[{i}].model", spec["model"])
+        if "function" not in spec:
+            continue
         try:
             resolve_reward_function(spec["function"])
         except ValueError as e:

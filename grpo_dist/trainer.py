@@ -40,9 +40,10 @@ from grpo_dist.engines import build_engine
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
+from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
+from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
@@ -57,6 +58,11 @@ class NonFiniteError(RuntimeError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on every completion of a step."""
+
+
+def reward_dtype(cfg: GRPOConfig):
+    """The compute dtype reward models run in: distributed.mixed_precision's, else model.dtype."""
+    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
 
 
 class Timer:
@@ -81,7 +87,13 @@ class GRPOTrainer:
         self.train_examples = self._load_split("train")
         self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
-        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
+                                      device=ctx.device, dtype=reward_dtype(cfg),
+                                      conversational=cfg.data.use_chat_template)  # reward models load here
+        bad = argument_problems(self.rewards, self.train_examples)  # a column a batch function needs is missing
+        if bad:
+            self.rewards.close()
+            raise ConfigError(bad[0], bad)
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
@@ -284,10 +296,12 @@ class GRPOTrainer:
     def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
         """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
         with timer("rollout"):
-            batch = self.rollout(self.sampler.next_batch(), refresh)
+            examples = self.sampler.next_batch()
+            batch = self.rollout(examples, refresh)
         with timer("reward"):
             rewards, per_function = self.rewards(batch.completions, batch.references,
-                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length)
+                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length,
+                                                 **rollout_context(examples, batch))
         # before the update: a broken function stops the run (every rank runs the same rounds: same collectives)
         errors = self._reward_errors(len(rewards))
         self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
@@ -668,11 +682,13 @@ class GRPOTrainer:
     def _reward_means(self, per_function: dict) -> dict:
         """reward/<name>: each function's mean over the completions of all ranks (every rank has the same functions,
         so the all-reduce matches; a rank with no rows adds zeros)."""
-        rows = float(len(next(iter(per_function.values()), [])))
-        s = gdist.all_reduce_sum_named({**{f"sum/{k}": float(sum(v)) for k, v in per_function.items()}, "rows": rows},
-                                       self.ctx.device)
-        n = max(float(s["rows"]), 1.0)
-        return {f"reward/{name}": float(s[f"sum/{name}"] / n) for name in per_function}
+        # a score that does not apply (NaN: a batch function's None) is left out of its function's mean
+        s = gdist.all_reduce_sum_named({**{f"sum/{k}": float(sum(x for x in v if x == x)) for k, v in
+                                           per_function.items()},
+                                        **{f"rows/{k}": float(sum(1 for x in v if x == x)) for k, v in
+                                           per_function.items()}}, self.ctx.device)
+        return {f"reward/{name}": float(s[f"sum/{name}"] / max(float(s[f"rows/{name}"]), 1.0))
+                for name in per_function}
 
     def _timing_metrics(self, timer: Timer, t0: float, completion_tokens: float) -> dict:
         """step_time_s, time_<stage>_s, this rank's sampling throughput and the weight sync's part of the rollout."""

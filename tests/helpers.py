@@ -112,3 +112,22 @@ def need_deepspeed():
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and builder.is_compatible():
         builder.load()
+
+
+# ------------------------------------------------------------------------------------------- reward models
+
+def save_classifier(path, num_labels=1, chat_template=None, seed=0):
+    """A tiny random LlamaForSequenceClassification and the char tokenizer, saved to `path`."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from grpo_dist.models import char_tokenizer
+    tok = char_tokenizer()
+    if chat_template:
+        tok.chat_template = chat_template
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, num_labels=num_labels,
+                      pad_token_id=tok.pad_token_id, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -45,3 +45,66 @@ def broken_on_rank0(completion: str, reference: str) -> float:
 
 def always_one(completion: str, reference: str) -> float:
     return 1.0
+
+
+# ------------------------------------------------------------- TRL's batch contract (grpo_dist.rewards.batch)
+# Written with the signature TRL's documentation gives reward functions: called once per batch with keyword
+# arguments, every dataset column by name as a list, one float (or None: does not apply) per completion.
+
+def trl_length_reward(completions, **kwargs):
+    """A length-based reward in TRL's form: the closer to 6 characters, the better."""
+    return [-abs(6 - len(completion)) / 6 for completion in completions]
+
+
+def trl_solution_reward(prompts, completions, completion_ids, solution, **kwargs) -> list:
+    """1.0 when the completion contains the row's `solution` column; None (does not apply) where it is empty."""
+    return [None if not s else float(str(s) in c) for c, s in zip(completions, solution)]
+
+
+def trl_format_reward(completions, **kwargs):
+    """A format reward for conversational completions ([{"role": "assistant", "content": ...}])."""
+    import re
+    return [1.0 if re.fullmatch(r"<think>.*</think>.*", c[0]["content"], re.S) else 0.0 for c in completions]
+
+
+def batch_echo(prompts, completions, completion_ids, references, **kwargs):
+    """What it was given, folded into numbers: len(prompt) + 100 * len(ids) + 10000 * (reference == column 'gold')."""
+    gold = kwargs.get("gold") or [None] * len(completions)
+    return [len(p) + 100 * len(i) + 10000 * (r == g) for p, i, r, g in zip(prompts, completion_ids, references, gold)]
+
+
+def batch_raises(completions, **kwargs):
+    raise ValueError("judge exploded")
+
+
+def batch_short(completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
+def batch_mixed(completions, **kwargs):
+    """None (n/a), a number, NaN, a string, in turn."""
+    return [[None, 1.0, float("nan"), "x"][i % 4] for i in range(len(completions))]
+
+
+def batch_slow(completions, **kwargs):
+    import time
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+def batch_by_config(references, completions):
+    """Not detected as batch form (first parameter 'references', no **kwargs): `batch: true` declares it."""
+    return [float(r in c) for r, c in zip(references, completions)]
+
+
+def per_item_with_kwargs(completion, reference, **kwargs):
+    """Looks batch-form (**kwargs): `batch: false` declares it per completion."""
+    return float(reference in completion)
+
+
+def batch_crash(completions, **kwargs):
+    """Kills its worker process when a completion says CRASH."""
+    import os
+    if any("CRASH" in c for c in completions):
+        os._exit(3)
+    return [1.0] * len(completions)

@@ -133,7 +133,7 @@ def synthetic_arithmetic(num_examples: int = 10000, max_operand: int = 19, num_o
     out = []
     for i, c in enumerate(chosen):
         prompt, answer = _arith_problem(c, base, num_operands, ops)
-        out.append(PromptExample(prompt=prompt, answer=answer, index=i))
+        out.append(PromptExample(prompt=prompt, answer=answer, index=i, columns={"answer": answer}))
     return out
 
 

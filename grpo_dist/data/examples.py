@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class DataError(ValueError):
@@ -15,3 +15,6 @@ class PromptExample:
     prompt: str   # the problem text (not rendered)
     answer: str   # the reference answer, already extracted
     index: int    # 0-based position in the loaded split (stable: same data config -> same index)
+    # every other field of the row (the answer field as written included), by name: batch reward functions,
+    # reward models and remote scorers get them (grpo_dist.rewards.batch); not part of equality
+    columns: dict = field(default_factory=dict, compare=False, repr=False)

@@ -78,7 +78,8 @@ def load_file(path: str, prompt_field: str, answer_field: str, answer_format: st
         if not answer:
             raise DataError(f"{ctx}: field '{answer_field}' gives an empty reference answer "
                             f"(answer_format {answer_format})")
-        out.append(PromptExample(prompt=prompt, answer=answer, index=len(out)))
+        out.append(PromptExample(prompt=prompt, answer=answer, index=len(out),
+                                 columns={k: v for k, v in row.items() if k != prompt_field}))
         if limit is not None and len(out) >= limit:
             break
     return out

@@ -7,7 +7,10 @@ loader also uses for references); ``RewardComputer`` grades batches in worker pr
 hard per-item time limit (see :mod:`grpo_dist.rewards.grading`); ``resolve_reward_function``
 turns a ``"module:function"`` spec into a callable; ``digit_overlap`` is a partial-credit shaping
 reward (:mod:`grpo_dist.rewards.shaping`); ``number_match`` and ``final_answer_only`` check the
-form of a completion (:mod:`grpo_dist.rewards.format`, the demos' rewards).
+form of a completion (:mod:`grpo_dist.rewards.format`, the demos' rewards). Besides per-completion functions,
+the ``rewards`` entries take TRL's batch-form functions (:mod:`grpo_dist.rewards.batch`), reward models
+(:mod:`grpo_dist.rewards.reward_model`) and remote scorers (:mod:`grpo_dist.rewards.remote`); the keys of each kind
+are in :mod:`grpo_dist.rewards.specs`.
 
 ``math_reward`` and ``extract_answer`` are re-exported lazily so that a reward
 worker that only runs other functions does not pay for importing sympy.

@@ -348,9 +348,18 @@ class RewardComputer:
     Calling returns ``(totals, {name: scores})``; an item that times out, or whose
     function raises or returns a non-number (None, NaN, inf, a string, a list),
     scores 0.0 for that function and is counted in ``last_errors``.
+
+    Entries in TRL's batch form (``fn(prompts, completions, completion_ids, **kwargs)``,
+    :mod:`grpo_dist.rewards.batch`), reward models (``{"model": DIR}``,
+    :mod:`grpo_dist.rewards.reward_model`, loaded here on ``device`` in ``dtype``) and
+    remote scorers (``{"url": ...}``, :mod:`grpo_dist.rewards.remote`) are scored once
+    per call on the whole batch; for them None means "does not apply" (not an error):
+    NaN in their scores, left out of the total. ``conversational``: batch scorers get
+    prompts and completions as chat messages (data.use_chat_template).
     """
 
-    def __init__(self, specs: list, num_workers: int = 1, timeout_s: float = 5.0):
+    def __init__(self, specs: list, num_workers: int = 1, timeout_s: float = 5.0, device=None, dtype=None,
+                 conversational: bool = False):
         if isinstance(specs, (str, dict)):
             specs = [specs]
         if not specs:
@@ -359,46 +368,80 @@ class RewardComputer:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        from grpo_dist.rewards.specs import KIND_KEYS, default_name, reward_kind
         self.specs, self.weights, self.names, self.functions = [], [], [], []
+        kinds, dicts = [], []
         for s in specs:
             if isinstance(s, str):
                 s = {"function": s}
-            if not isinstance(s, dict) or "function" not in s:
-                raise ValueError(f"reward spec {s!r} needs a 'function' key")
-            unknown = set(s) - {"function", "weight", "name"}
+            if not isinstance(s, dict) or not any(k in s for k in KIND_KEYS):
+                raise ValueError(f"reward spec {s!r} needs a 'function' key (or 'model', 'url')")
+            kind = reward_kind(s)
+            unknown = set(s) - set(KIND_KEYS[kind])
             if unknown:
                 raise ValueError(f"reward spec {s!r}: unknown keys {sorted(unknown)}")
             try:
                 weight = float(s.get("weight", 1.0))
             except (TypeError, ValueError):
                 raise ValueError(f"reward spec {s!r}: weight must be a number") from None
-            self.functions.append(resolve_reward_function(s["function"]))
-            self.specs.append(s["function"])
+            self.functions.append(resolve_reward_function(s["function"]) if kind == "function" else None)
+            self.specs.append(s[kind])
             self.weights.append(weight)
-            self.names.append(s.get("name") or s["function"].split(":")[1].strip())
+            self.names.append(default_name(s))
+            kinds.append(kind)
+            dicts.append(s)
         if len(set(self.names)) != len(self.names):
-            self.names = [s.get("name") or sp for s, sp in zip(
-                [x if isinstance(x, dict) else {} for x in specs], self.specs)]
+            self.names = [s.get("name") or sp for s, sp in zip(dicts, self.specs)]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"duplicate reward function names: {self.names}")
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
+        self.conversational = bool(conversational)
         self._lock = threading.Lock()
         self.last_errors: dict = {name: 0 for name in self.names}
         self._reported: set = set()
+        # batch scorers (grpo_dist.rewards.batch): TRL-form functions, reward models, remote scorers
+        self._batch = self._batch_scorers(kinds, dicts, device, dtype)
         self._pool = _Pool(self.num_workers, self.timeout_s) if self.num_workers > 0 else None
         # length-aware functions read numbers only: graded here, with the token counts (never sent to workers)
-        self._length_kwargs = {name: length_kwargs_of(fn) for name, fn in zip(self.names, self.functions)}
+        self._length_kwargs = {name: () if name in self._batch else length_kwargs_of(fn)
+                               for name, fn in zip(self.names, self.functions)}
+
+    def _batch_scorers(self, kinds, dicts, device, dtype) -> dict:
+        from grpo_dist.rewards.batch import BatchFunctionScorer, is_batch_function
+        out: dict = {}
+        for k, (kind, s) in enumerate(zip(kinds, dicts)):
+            name = self.names[k]
+            if kind == "function":
+                batch = s.get("batch")
+                if batch is None and not is_batch_function(self.functions[k]):
+                    continue
+                if batch is False:
+                    continue
+                out[name] = BatchFunctionScorer(self.specs[k], self.functions[k], self.num_workers > 0,
+                                                self.timeout_s)
+            elif kind == "model":
+                from grpo_dist.rewards.reward_model import RewardModelScorer
+                out[name] = RewardModelScorer(self.specs[k], f"rewards[{k}].model", device, dtype,
+                                              s.get("batch_size", 8), s.get("max_length"))
+            else:
+                from grpo_dist.rewards.remote import RemoteScorer
+                out[name] = RemoteScorer(self.specs[k], self.timeout_s, s.get("timeout_s"), s.get("max_retries", 2))
+        return out
 
     @property
     def stats(self) -> dict:
         return dict(self._pool.stats) if self._pool else {}
 
     def __call__(self, completions: list, references: list, completion_lengths: list | None = None,
-                 max_completion_length: int | None = None):
+                 max_completion_length: int | None = None, *, prompts: list | None = None,
+                 completion_ids: list | None = None, columns: dict | None = None):
         """(totals, {name: scores}); what failed is in self.last_errors ({name: count}) and the first failure of
         each function is printed once. Functions that take completion_length / max_completion_length (length
-        shaping) are graded in this process with the token counts; the others in the worker pool."""
+        shaping) are graded in this process with the token counts; the others in the worker pool. Batch scorers
+        (grpo_dist.rewards.batch) also get prompts, completion_ids and the dataset columns (lists, one entry per
+        completion); a score of theirs that does not apply is NaN in {name: scores} and left out of the total
+        (total_i = sum of weight * score over the entries that apply, 0.0 if none does)."""
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         completions = [c if isinstance(c, str) else "" for c in completions]
@@ -408,7 +451,8 @@ class RewardComputer:
         errors: dict = {}
         with self._lock:
             if self._pool is not None:
-                pooled = [k for k, name in enumerate(self.names) if not self._length_kwargs[name]]
+                pooled = [k for k, name in enumerate(self.names)
+                          if not self._length_kwargs[name] and name not in self._batch]
                 tasks = [(self.specs[k], c, r) for k in pooled for c, r in zip(completions, references)]
                 try:
                     flat, errs = self._pool.grade(tasks)
@@ -417,14 +461,26 @@ class RewardComputer:
                 for j, kk in enumerate(pooled):
                     per_fn[self.names[kk]] = flat[j * n:(j + 1) * n]
                     errors[self.names[kk]] = errs[j * n:(j + 1) * n]
+            if self._batch:
+                from grpo_dist.rewards.batch import RewardBatch
+                rb = RewardBatch(prompts if prompts is not None else [""] * n, completions, references,
+                                 completion_ids if completion_ids is not None else [[] for _ in range(n)],
+                                 columns or {}, self.conversational)
+                for name, scorer in self._batch.items():
+                    try:
+                        scores, errors[name] = scorer.score(rb)
+                    except Exception:  # noqa: BLE001 - a scorer's own failure: every item an error, counted
+                        scores = [0.0] * n
+                        errors[name] = ["raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]] * n
+                    per_fn[name] = [math.nan if v is None else v for v in scores]
             for name, fn in zip(self.names, self.functions):
                 if name not in per_fn:
                     per_fn[name], errors[name] = self._grade_here(fn, name, completions, references,
                                                                   completion_lengths, max_completion_length)
             per_fn = {name: per_fn[name] for name in self.names}  # spec order: the first is the verifier
         self._count_errors(errors, n)
-        totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
-                  for i in range(n)]
+        totals = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights)
+                      if not math.isnan(per_fn[name][i])) for i in range(n)]  # TRL's nansum
         return totals, per_fn
 
     def _grade_pairs(self, indices, completions, references):
@@ -458,6 +514,8 @@ class RewardComputer:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for scorer in getattr(self, "_batch", {}).values():
+            scorer.close()
 
     def __enter__(self):
         return self

@@ -137,7 +137,8 @@ def main(argv=None) -> int:
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
         model = _rollout_model(cfg, ctx, tokenizer)
-        rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
+                                 device=ctx.device, conversational=cfg.data.use_chat_template)
         records: list | None = [] if args.completions else None
         result = evaluate(model, tokenizer, examples, cfg, ctx, rewards, args.num_samples, args.batch_size,
                           progress=True, records=records)
