@@ -45,3 +45,39 @@ def broken_on_rank0(completion: str, reference: str) -> float:
 
 def always_one(completion: str, reference: str) -> float:
     return 1.0
+
+
+def calls_sys_exit(completion: str, reference: str) -> float:
+    """sys.exit(0) where EXIT_RANK names this rank (or is unset): must be a reward error, not the end of the run."""
+    import os
+    import sys
+    if os.environ.get("EXIT_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
+        sys.exit(0)
+    return float(len(completion) % 2)
+
+
+def calls_os_exit(completion: str, reference: str) -> float:
+    """os._exit(0) where EXIT_RANK names this rank (or is unset): the process would end at once, code 0."""
+    import os
+    if os.environ.get("EXIT_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
+        os._exit(0)
+    return float(len(completion) % 2)
+
+
+def forks_sleeper(completion: str, reference: str) -> float:
+    """Forks a grandchild that sleeps for 10 minutes and writes its pid into SLEEPER_DIR; then does what
+    SLEEPER_THEN says: 'return' (score 1), 'hang' (sleep past the time limit) or 'crash' (os._exit(1))."""
+    import os
+    import time
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open(os.path.join(os.environ["SLEEPER_DIR"], str(pid)), "w"):
+        pass
+    then = os.environ.get("SLEEPER_THEN", "return")
+    if then == "hang":
+        time.sleep(600)
+    elif then == "crash":
+        os._exit(1)
+    return 1.0

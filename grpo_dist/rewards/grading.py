@@ -26,6 +26,7 @@ exit.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -104,11 +105,36 @@ def _short(v) -> str:
 
 def _call_safely(fn, completion, reference, **kwargs) -> tuple[float, str | None]:
     """(score, error): a function that raises or returns a non-number scores 0.0, with the reason (a traceback for
-    an exception)."""
+    an exception). SystemExit counts as a failure like any exception: a reward function must not end the run
+    (only KeyboardInterrupt passes through)."""
     try:
         return _check_score(fn(completion, reference, **kwargs))
-    except Exception:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
         return 0.0, "raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]
+
+
+class ProcessExitCalled(Exception):
+    """Raised instead of ending the process when an in-process reward function calls os._exit."""
+
+
+@contextlib.contextmanager
+def _process_exit_blocked():
+    """While in-process reward functions run, os._exit raises ProcessExitCalled (a reward error) instead of ending
+    the trainer with no message, no checkpoint and the code the function chose (os._exit(0) looks like success
+    to a scheduler). Restored afterwards. Not used in worker processes: there os._exit only ends the worker,
+    which is counted as a crash, and the worker's own watchdog needs the real one."""
+    real = os._exit
+
+    def refuse(code=0):
+        raise ProcessExitCalled(f"os._exit({code}) called by a reward function (refused in the trainer process)")
+
+    os._exit = refuse  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 # --------------------------------------------------------------------------- worker side
@@ -429,7 +455,9 @@ class RewardComputer:
 
     def _grade_pairs(self, indices, completions, references):
         """In-process grading of the functions at `indices`: (flat scores, flat errors), function-major."""
-        pairs = [_call_safely(self.functions[k], c, r) for k in indices for c, r in zip(completions, references)]
+        with _process_exit_blocked():
+            pairs = [_call_safely(self.functions[k], c, r) for k in indices
+                     for c, r in zip(completions, references)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _grade_here(self, fn, name, completions, references, lengths, max_len) -> tuple[list, list]:
@@ -437,9 +465,10 @@ class RewardComputer:
         if wanted and (lengths is None or ("max_completion_length" in wanted and max_len is None)):
             raise ValueError(f"reward function {name!r} needs {', '.join(wanted)}, which this call did not pass")
         values = {"max_completion_length": max_len}
-        pairs = [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
-                                           for k in wanted})
-                 for i, (c, r) in enumerate(zip(completions, references))]
+        with _process_exit_blocked():
+            pairs = [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
+                                               for k in wanted})
+                     for i, (c, r) in enumerate(zip(completions, references))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _count_errors(self, errors: dict, n: int) -> None:
