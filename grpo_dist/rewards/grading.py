@@ -22,7 +22,12 @@ Workers never outlive the parent: they exit on EOF of their request pipe, ask
 the kernel to SIGKILL them when the parent dies (``PR_SET_PDEATHSIG`` on
 Linux), poll the parent pid from a watchdog thread, and are killed by
 ``close()``, by the context manager, by garbage collection and at interpreter
-exit.
+exit.  Nor do processes that a reward function forks: each worker leads a
+session (process group) of its own, every kill (close, time limit, crash
+replacement) is a SIGKILL of the whole group, and a tiny reaper process forked
+by the worker before any user code runs kills the group when the worker dies
+by any other means (e.g. SIGKILLed when the parent died).  A grandchild that
+starts a session of its own (setsid) escapes this.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import json
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -142,7 +148,6 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
     parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
     try:  # SIGKILL this process when the parent dies (Linux)
         import ctypes
-        import signal
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001
         pass
@@ -153,6 +158,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 os._exit(0)
             time.sleep(0.5)
 
+    _start_group_reaper()
     threading.Thread(target=watchdog, daemon=True).start()
     if os.getppid() != parent:
         os._exit(0)
@@ -188,6 +194,23 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
 
 
+def _start_group_reaper() -> None:  # pragma: no cover - runs in the worker process
+    """Fork the reaper: it waits for this worker to end, however it ends (SIGKILL included), then SIGKILLs the
+    worker's process group, i.e. whatever the reward functions forked. Forked before any user code runs and
+    before any thread starts; it keeps no descriptor of the protocol pipes (the parent sees EOF at once)."""
+    worker = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        os.close(0)
+        os.close(1)
+        while os.getppid() == worker:
+            time.sleep(0.5)
+        os.killpg(worker, signal.SIGKILL)  # the worker leads the group: its pid names it
+    finally:
+        os._exit(0)
+
+
 # --------------------------------------------------------------------------- parent side
 def _worker_env() -> dict:
     env = dict(os.environ)
@@ -204,8 +227,9 @@ class _Worker:
         cmd = [sys.executable, "-c",
                "from grpo_dist.rewards.grading import _worker_main; _worker_main()",
                str(os.getpid())]
+        # a session of its own: its process group holds whatever the reward functions fork, and dies with it
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=_worker_env(), close_fds=True)
+                                     env=_worker_env(), close_fds=True, start_new_session=True)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
@@ -235,6 +259,12 @@ class _Worker:
         return lines
 
     def kill(self):
+        """SIGKILL the worker's whole process group (the worker, its reaper, anything a reward function forked),
+        also when the worker itself has exited already."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
         try:
             self.proc.kill()
         except OSError:
