@@ -136,7 +136,7 @@ def _process_exit_blocked():
     def refuse(code=0):
         raise ProcessExitCalled(f"os._exit({code}) called by a reward function (refused in the trainer process)")
 
-    os._exit = refuse  # type: ignore[assignment]
+    os._exit = refuse
     try:
         yield
     finally:
