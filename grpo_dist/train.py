@@ -65,7 +65,8 @@ def main(argv=None) -> int:
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
     except NonFiniteError as e:
-        print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        if ctx.is_main:  # an all-reduced verdict: every rank raises the same error
+            print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         code = NONFINITE_EXIT_CODE
     finally:
         gdist.cleanup()

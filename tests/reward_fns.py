@@ -81,3 +81,13 @@ def forks_sleeper(completion: str, reference: str) -> float:
     elif then == "crash":
         os._exit(1)
     return 1.0
+
+
+def huge(completion: str, reference: str) -> float:
+    """Finite, so no reward error, but 1e200 overflows float32 (and its square float64)."""
+    return 1e200 if len(completion) % 2 else -1e200
+
+
+def near_float32_max(completion: str, reference: str) -> float:
+    """Finite in float32, but r - mean of a group overflows it (with scale_rewards=none)."""
+    return 3.3e38 if len(completion) % 2 else -3.3e38
