@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 ENV = "GRPO_DIST_FAULT"
 KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop")
@@ -50,6 +51,7 @@ def inject(kind: str, step: int, rank: int) -> bool:
             if kind == "stop":
                 print(f"[grpo_dist] {ENV}: rank {rank} stops itself (SIGSTOP at step {step})", file=sys.stderr,
                       flush=True)
+                time.sleep(0.5)  # the heartbeat publishes this phase first (at most 4 beats a second, watchdog.py)
                 os.kill(os.getpid(), signal.SIGSTOP)
             return True
     return False

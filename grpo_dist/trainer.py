@@ -32,6 +32,7 @@ from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist import lora
 from grpo_dist import nonfinite
+from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
@@ -67,6 +68,7 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str):
+        watchdog.set_phase(name)  # what a peer names if this rank stops or hangs in this stage
         t0 = time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
@@ -239,11 +241,14 @@ class GRPOTrainer:
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+                    watchdog.set_phase("eval")
                     metrics.update(self.evaluate())
+                watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)
                 stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
                 if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
                         (self.step == cfg.max_steps and cfg.save_final):
+                    watchdog.set_phase("save")
                     self.save()
                 if stop:
                     exit_code = PREEMPTED_EXIT_CODE
@@ -266,6 +271,7 @@ class GRPOTrainer:
         """One step, the stages of the module docstring in order: rollout and grade (rounds of them with dynamic
         sampling), learn (advantage to update, and the step's metrics), then the reward and timing metrics."""
         timer, t0 = Timer(), time.perf_counter()
+        watchdog.set_phase("rollout", self.step + 1)
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
@@ -374,9 +380,11 @@ class GRPOTrainer:
         update, metrics. Also the entry point for tests that inject fixed rollouts. correct: the rows the verifier
         gave full marks (default: reward >= 1)."""
         timer = timer or Timer()
+        watchdog.set_phase("advantage", self.step + 1)
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
             shaped, reward_kl = self._kl_shaped_rewards(batch, rewards)
+        watchdog.set_phase("advantage")
         advantages, flat_groups = self._advantages(shaped)
         self._step_flags = nonfinite.local_flags(rewards, advantages)
         rows = self._select_rows(batch, flat_groups)
@@ -387,6 +395,7 @@ class GRPOTrainer:
         with timer("update"):
             sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl)
         self.step += 1
+        watchdog.set_phase("metrics", self.step)
         correct = rewards >= 1.0 if correct is None else correct
         metrics = self._step_metrics(batch, rewards, correct, flat_groups, rows, sums, grad_norms)
         metrics.update(self._sampler_metrics(sums, batch, rows))
