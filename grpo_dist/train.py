@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
     stop_when_parent_dies()
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
-    watchdog.start(ctx.rank, ctx.world_size)  # heartbeats: a failed collective names the rank that failed
+    watchdog.start(ctx.rank, ctx.world_size, cfg.distributed.timeout_s)  # a failed collective names the failed rank
     code, lock = 1, None
     try:
         lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on

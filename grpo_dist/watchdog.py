@@ -59,9 +59,13 @@ def current() -> tuple[str, int]:
 
 
 class _Heartbeat:
-    def __init__(self, store, rank: int, world_size: int, interval: float):
+    def __init__(self, store, rank: int, world_size: int, interval: float, stale_s: float):
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self.stale_s = stale_s
         self.count = 0
+        self._peers: dict = {}  # rank 0: rank -> (its beat counter, local time it last changed, warned)
+        self._check_every = max(interval, stale_s / 4)
+        self._next_check = time.monotonic()
         self.code: int | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one beat at a time (the thread's, and the final one)
@@ -90,8 +94,29 @@ class _Heartbeat:
         while not self._stop.is_set():
             _changed.clear()
             self.beat()
+            if self.rank == 0 and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + self._check_every
+                self.warn_stale_peers()
             self._stop.wait(MIN_GAP_S)  # then changes of the last MIN_GAP_S are published at once
             _changed.wait(self.interval)  # a phase change, or the next regular beat
+
+    def warn_stale_peers(self) -> None:
+        """Rank 0, every few beats: one warning per peer whose heartbeat has not moved for stale_s seconds, while
+        the run still waits on it (NCCL may abort the process at its timeout without a Python error: this line
+        is then what names the rank)."""
+        beats = _read(self.store, self.world_size, self.rank)
+        now = time.monotonic()
+        for r, rec in (beats or {}).items():
+            if rec is None:
+                continue
+            n, since, warned = self._peers.get(r, (None, now, False))
+            if rec["n"] != n:
+                self._peers[r] = (rec["n"], now, False)
+            elif not warned and now - since >= self.stale_s:
+                self._peers[r] = (n, since, True)
+                print(f"grpo_dist: rank {self.rank}: warning: rank {r}'s heartbeat has not moved for "
+                      f"{now - since:.0f} s; it last reported '{rec['phase']}' at step {rec['step']} (stopped, hung "
+                      f"or dead?)", file=sys.stderr, flush=True)
 
     def finish(self, code: int) -> None:
         """A last beat that says this rank ended, and with which code (a peer waiting on it then knows)."""
@@ -106,8 +131,9 @@ class _Heartbeat:
         self.beat(wait_s=2.0)
 
 
-def start(rank: int, world_size: int, interval: float = HEARTBEAT_S) -> None:
-    """Start this rank's heartbeat thread (after init_process_group; nothing to do in a world of one)."""
+def start(rank: int, world_size: int, timeout_s: float = 600, interval: float = HEARTBEAT_S) -> None:
+    """Start this rank's heartbeat thread (after init_process_group; nothing to do in a world of one). Rank 0
+    warns when a peer's heartbeat stands still for half the collective timeout (at most 60 s)."""
     global _beat
     if world_size < 2 or _beat is not None:
         return
@@ -116,7 +142,7 @@ def start(rank: int, world_size: int, interval: float = HEARTBEAT_S) -> None:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store to publish into: failures are reported without names
         return
-    _beat = _Heartbeat(store, rank, world_size, interval)
+    _beat = _Heartbeat(store, rank, world_size, interval, stale_s=max(3 * interval, min(60.0, timeout_s / 2)))
     _beat.beat()
     _beat.thread.start()
 
