@@ -70,3 +70,22 @@ def test_grandchildren_die_when_the_parent_is_killed(tmp_path):
         p.kill()
         p.wait()
     _assert_all_die(pids)
+
+
+def test_no_grandchild_outlives_a_training_run(tmp_path):
+    """The whole trainer, one process, reward_workers=1: after `done`, nothing the reward function forked lives."""
+    sleepers = tmp_path / "sleepers"
+    sleepers.mkdir()
+    env = dict(os.environ, SLEEPER_DIR=str(sleepers), SLEEPER_THEN="return", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    # files, not pipes: on failure a surviving grandchild holds the trainer's stderr open
+    with open(tmp_path / "out", "w") as fo, open(tmp_path / "err", "w") as fe:
+        r = subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml",
+                            "max_steps=1", "save_steps=0", "save_final=false", "reward_workers=1", "progress_bar=false",
+                            "rewards=[{function: 'reward_fns:forks_sleeper'}, {function: 'reward_fns:odd_length'}]",
+                            f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, timeout=300, stdout=fo, stderr=fe)
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert r.returncode == 0 and "done: step 1" in out, err[-3000:]
+    pids = _sleepers(sleepers)
+    assert len(pids) == 8  # one per completion
+    _assert_all_die(pids, timeout=3.0)
