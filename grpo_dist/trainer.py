@@ -503,8 +503,10 @@ class GRPOTrainer:
     def _update(self, batch: RolloutBatch, micro: list[list[int]], advantages: torch.Tensor, normaliser: float,
                 ref_logps: list, old_logps: list, reward_kl: float) -> tuple[dict, list[float]]:
         """num_iterations optimizer steps, each over every planned micro-batch (an empty one runs a zero-loss pass).
-        An iteration's step is skipped on every rank when any rank's loss was not finite, or no rank trains a row;
-        too many skipped steps in a row stop the run. Returns the metric sums and each iteration's grad norm.
+        An iteration's step is skipped on every rank when any rank's rewards, advantages, loss or gradient norm
+        were not finite, or no rank trains a row; too many skipped steps in a row stop the run, and so does at once
+        an applied step that leaves the parameters non-finite or >10x larger (nonfinite.py). Returns the metric sums
+        and each iteration's grad norm.
 
         Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The

@@ -18,8 +18,13 @@ still beats prints one line, e.g.
     grpo_dist: rank 0: the collective in phase 'update' at step 3 failed: rank 1 last reported 'update' at step
     3, 12 s ago, and its heartbeat stopped: its process is stopped (SIGSTOP) (RuntimeError: ... Timed out ...)
 
-and every survivor exits with PEER_FAILURE_EXIT_CODE. Heartbeat times are wall clock: across hosts, "s ago"
-is off by the clock skew (the counter test is not).
+and every survivor exits with PEER_FAILURE_EXIT_CODE. Before that, while the run still waits, rank 0's thread
+reads the heartbeats every few beats and warns once per peer whose counter stood still for half of
+distributed.timeout_s (at most 60 s): under NCCL a timed-out collective may abort the process without a Python
+error, and that warning is then the line that names the rank. Heartbeat times are wall clock: across hosts,
+"s ago" is off by the clock skew (the counter test is not). Limits: the store lives in torchrun's agent (or, without
+torchrun, in rank 0): when its host dies every survivor says so instead of naming a rank; a rank that hangs in
+Python keeps beating and is named by its phase and step differing from the survivor's.
 """
 
 from __future__ import annotations
