@@ -28,7 +28,6 @@ where parameters are replicated (DDP-like engines) every rank adds the same sum,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -93,9 +92,12 @@ def checkpoint_note(output_dir: str | Path) -> str:
     return f"The newest checkpoint, {latest}, holds the weights from before these steps"
 
 
-def parameter_norm_sq(params: Iterable[torch.Tensor]) -> float:
-    """Sum of squares of these (local) tensors, in float64: one device sync. inf/nan if any element is."""
-    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for p in params]
+def parameter_norm_sq(params: list[torch.Tensor]) -> float:
+    """Sum of squares of these (local) tensors, in float64: one device sync. inf/nan if any element is. A ZeRO-3
+    parameter is an empty placeholder: its local partition (ds_tensor) counts instead."""
+    local = [getattr(p, "ds_tensor", None) for p in params]
+    norms = [torch.linalg.vector_norm((p if t is None else t).detach(), dtype=torch.float64)
+             for p, t in zip(params, local)]
     return float(torch.stack(norms).pow(2).sum()) if norms else 0.0
 
 
