@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,12 +20,14 @@ def _env():
     return env
 
 
+@pytest.mark.fast
 def test_in_process_sys_exit_is_a_reward_error(capfd, monkeypatch):
     monkeypatch.delenv("EXIT_RANK", raising=False)
     _grade_and_check("calls_sys_exit")
     assert "SystemExit" in capfd.readouterr().err
 
 
+@pytest.mark.fast
 def test_in_process_os_exit_is_a_reward_error():
     """In a child process: on today's code os._exit(0) would end pytest itself, with code 0."""
     code = "import test_reward_exit as t; t._grade_and_check('calls_os_exit'); print('survived')"

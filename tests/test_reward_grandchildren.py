@@ -39,6 +39,7 @@ def _assert_all_die(pids, timeout=10.0):
                 os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("then", ["return", "hang", "crash"])
 def test_grandchildren_die_with_their_worker(then, tmp_path, monkeypatch):
     """return: killed at close(); hang: at the time-limit kill; crash: when the crashed worker is replaced (and
@@ -54,6 +55,7 @@ def test_grandchildren_die_with_their_worker(then, tmp_path, monkeypatch):
     _assert_all_die(_sleepers(tmp_path))
 
 
+@pytest.mark.fast
 def test_grandchildren_die_when_the_parent_is_killed(tmp_path):
     code = ("from grpo_dist.rewards import RewardComputer; import time; "
             "rc = RewardComputer([{'function': 'reward_fns:forks_sleeper'}], num_workers=1, timeout_s=30); "

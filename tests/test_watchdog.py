@@ -18,7 +18,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
             "--rdzv-endpoint", "localhost:0", "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml",
             "reward_workers=0", "progress_bar=false", "save_steps=0", "save_final=false", "max_steps=4",
             "distributed.timeout_s=10", "rewards=[{function: 'reward_fns:odd_length'}]"]
-pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+pytestmark = [pytest.mark.slow,  # torchrun, 2 ranks
+              pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
 
 
 def _start(tmp_path, *extra, **env):
