@@ -5,7 +5,8 @@
 KIND is one of
     nan         the loss of optimizer step N on rank R is NaN (and so are its gradients)
     nan_grad    the gradients of optimizer step N on rank R are NaN while its loss is finite
-    stop        rank R SIGSTOPs itself in the middle of step N (where `kill` fires): a hung rank, for the watchdog
+    stop        rank R SIGSTOPs itself in the middle of step N (where `kill` fires, after 0.5 s so that its
+                heartbeat has published the phase): a hung rank, for the watchdog
     kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
     kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
 
