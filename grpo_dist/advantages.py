@@ -21,16 +21,18 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     """
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
-    grouped = rewards.float().view(-1, num_generations)
+    # float64 statistics: the squares of rewards above ~1.8e19 overflow float32 (a std of inf would zero every
+    # advantage, silently); the result is float32, inf where it does not fit (the non-finite guard names that)
+    grouped = rewards.double().view(-1, num_generations)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
-        std = rewards.float().std() if batch_std is None else torch.as_tensor(batch_std, dtype=torch.float32)
+        std = rewards.double().std() if batch_std is None else torch.as_tensor(batch_std, dtype=torch.float64)
         centred = centred / (std + eps)
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
-    return centred.reshape(-1)
+    return centred.reshape(-1).float()
 
 
 def zero_advantage_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

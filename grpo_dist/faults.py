@@ -4,6 +4,9 @@
 
 KIND is one of
     nan         the loss of optimizer step N on rank R is NaN (and so are its gradients)
+    nan_grad    the gradients of optimizer step N on rank R are NaN while its loss is finite
+    stop        rank R SIGSTOPs itself in the middle of step N (where `kill` fires, after 0.5 s so that its
+                heartbeat has published the phase): a hung rank, for the watchdog
     kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
     kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
 
@@ -17,9 +20,10 @@ import os
 import re
 import signal
 import sys
+import time
 
 ENV = "GRPO_DIST_FAULT"
-KINDS = ("nan", "kill", "kill_save")
+KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop")
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
 
 
@@ -37,12 +41,18 @@ def planned() -> list[tuple[str, int, int | None]]:
 
 
 def inject(kind: str, step: int, rank: int) -> bool:
-    """True when a `kind` fault is planned for this step and rank; the kill kinds do not return."""
+    """True when a `kind` fault is planned for this step and rank; the kill kinds do not return, `stop` returns
+    when the process is continued (SIGCONT)."""
     for k, s, r in planned():
         if k == kind and s == step and r in (None, rank):
             if kind.startswith("kill"):
                 print(f"[grpo_dist] {ENV}: rank {rank} kills itself ({kind} at step {step})", file=sys.stderr,
                       flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "stop":
+                print(f"[grpo_dist] {ENV}: rank {rank} stops itself (SIGSTOP at step {step})", file=sys.stderr,
+                      flush=True)
+                time.sleep(0.5)  # the heartbeat publishes this phase first (at most 4 beats a second, watchdog.py)
+                os.kill(os.getpid(), signal.SIGSTOP)
             return True
     return False

@@ -1,12 +1,20 @@
 """`torchrun --nproc_per_node N -m grpo_dist.train --config configs/X.yaml [key=value ...]`
 
-Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes: 0 done, 2 bad config or data,
-or a checkpoint that cannot be used or written (missing, damaged, of another model or kind, every checkpoint of
-an auto-resume damaged without start_over_if_no_intact_checkpoint=true; a failed save, e.g. a full disk: the line
-names the last good checkpoint), 3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or
-gradient (the last checkpoint is intact), 75 stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a
-checkpoint (requeue and resume with resume_from_checkpoint=auto). Plain torchrun exits 1 whenever a worker fails;
-launch/torchrun.sh and the sbatch scripts pass the workers' code through.
+Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes:
+  0   done
+  2   bad config or data (a reward function that fails on every completion of a step included), or a checkpoint
+      that cannot be used or written (missing, damaged, of another model or kind, every checkpoint of an
+      auto-resume damaged without start_over_if_no_intact_checkpoint=true; a failed save, e.g. a full disk: the
+      line names the last good checkpoint)
+  3   stopped by the non-finite guard: max_consecutive_nonfinite steps in a row had non-finite rewards, advantages,
+      loss or gradient, or one update made the parameters non-finite or >10x larger (the message names the cause
+      and the newest checkpoint, which predates it; grpo_dist/nonfinite.py)
+  4   a collective failed because another rank died, stopped or hung (one line names that rank and its last
+      phase; grpo_dist/watchdog.py; resume with resume_from_checkpoint=auto)
+  75  stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a checkpoint (requeue and resume with
+      resume_from_checkpoint=auto)
+Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh and the sbatch scripts pass the workers' code
+through.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist
-    from grpo_dist import preflight
+    from grpo_dist import preflight, watchdog
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
     from grpo_dist.runlock import stop_when_parent_dies
@@ -50,6 +58,7 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
     stop_when_parent_dies()
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
+    watchdog.start(ctx.rank, ctx.world_size, cfg.distributed.timeout_s)  # a failed collective names the failed rank
     code, lock = 1, None
     try:
         lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on
@@ -67,9 +76,15 @@ def main(argv=None) -> int:
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
     except NonFiniteError as e:
-        print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        if ctx.is_main:  # an all-reduced verdict: every rank raises the same error
+            print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         code = NONFINITE_EXIT_CODE
+    except RuntimeError as e:
+        if ctx.world_size < 2 or not watchdog.is_collective_failure(e):
+            raise
+        code = watchdog.report(e)  # another rank died, stopped or hung: one line names it and its phase
     finally:
+        watchdog.finish(code)
         gdist.cleanup()
         if lock is not None:
             lock.release()

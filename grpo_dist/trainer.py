@@ -31,6 +31,8 @@ from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist import lora
+from grpo_dist import nonfinite
+from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
@@ -53,7 +55,8 @@ NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the sam
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a NaN/inf loss or gradient."""
+    """Too many consecutive steps were not finite (reward, advantage, loss or gradient), or an update made the
+    parameters non-finite or blew them up (grpo_dist/nonfinite.py)."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -71,6 +74,7 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str):
+        watchdog.set_phase(name)  # what a peer names if this rank stops or hangs in this stage
         t0 = time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
@@ -142,6 +146,8 @@ class GRPOTrainer:
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
+        self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
+        self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
 
     # --------------------------------------------------------------------------------------------------- setup
     def _build_replica(self, policy, meta: bool, compute_dtype):
@@ -250,11 +256,14 @@ class GRPOTrainer:
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+                    watchdog.set_phase("eval")
                     metrics.update(self.evaluate())
+                watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)
                 stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
                 if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
                         (self.step == cfg.max_steps and cfg.save_final):
+                    watchdog.set_phase("save")
                     self.save()
                 if stop:
                     exit_code = PREEMPTED_EXIT_CODE
@@ -277,14 +286,17 @@ class GRPOTrainer:
         """One step, the stages of the module docstring in order: rollout and grade (rounds of them with dynamic
         sampling), learn (advantage to update, and the step's metrics), then the reward and timing metrics."""
         timer, t0 = Timer(), time.perf_counter()
+        watchdog.set_phase("rollout", self.step + 1)
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
             (batch, rewards, per_function), sampling = self._rollout_and_grade(timer), {}
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
+        self._reward_peaks = nonfinite.reward_peaks(per_function, self.rewards.names, self.rewards.weights)
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
+        self._reward_peaks = []
         self._log_completions(batch, rewards, per_function)
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
@@ -385,10 +397,13 @@ class GRPOTrainer:
         update, metrics. Also the entry point for tests that inject fixed rollouts. correct: the rows the verifier
         gave full marks (default: reward >= 1)."""
         timer = timer or Timer()
+        watchdog.set_phase("advantage", self.step + 1)
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
             shaped, reward_kl = self._kl_shaped_rewards(batch, rewards)
+        watchdog.set_phase("advantage")
         advantages, flat_groups = self._advantages(shaped)
+        self._step_flags = nonfinite.local_flags(rewards, advantages)
         rows = self._select_rows(batch, flat_groups)
         normaliser = self._step_normaliser(batch, rows)
         micro = self._plan_micro_batches(batch, rows)
@@ -397,6 +412,7 @@ class GRPOTrainer:
         with timer("update"):
             sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl)
         self.step += 1
+        watchdog.set_phase("metrics", self.step)
         correct = rewards >= 1.0 if correct is None else correct
         metrics = self._step_metrics(batch, rewards, correct, flat_groups, rows, sums, grad_norms)
         metrics.update(self._sampler_metrics(sums, batch, rows))
@@ -504,8 +520,10 @@ class GRPOTrainer:
     def _update(self, batch: RolloutBatch, micro: list[list[int]], advantages: torch.Tensor, normaliser: float,
                 ref_logps: list, old_logps: list, reward_kl: float) -> tuple[dict, list[float]]:
         """num_iterations optimizer steps, each over every planned micro-batch (an empty one runs a zero-loss pass).
-        An iteration's step is skipped on every rank when any rank's loss was not finite, or no rank trains a row;
-        too many skipped steps in a row stop the run. Returns the metric sums and each iteration's grad norm.
+        An iteration's step is skipped on every rank when any rank's rewards, advantages, loss or gradient norm
+        were not finite, or no rank trains a row; too many skipped steps in a row stop the run, and so does at once
+        an applied step that leaves the parameters non-finite or >10x larger (nonfinite.py). Returns the metric sums
+        and each iteration's grad norm.
 
         Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The
@@ -513,7 +531,7 @@ class GRPOTrainer:
         cfg = self.cfg
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
                     sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0)
-        grad_norms, applied = [], 0
+        grad_norms, applied, cause = [], 0, None
         for it in range(cfg.num_iterations):
             finite = True
             for idx, ref, old in zip(micro, ref_logps, old_logps):
@@ -522,13 +540,45 @@ class GRPOTrainer:
                 else:
                     self._empty_backward()
             faults.inject("kill", self.step + 1, self.ctx.rank)
-            skip = gdist.any_rank(not finite, self.ctx.device) or normaliser == 0
+            faults.inject("stop", self.step + 1, self.ctx.rank)
+            seen = self._nonfinite_vote(not finite)
+            skip = seen is not None or normaliser == 0
+            before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
             result = self.engine.step(skip=skip)
+            if not skip and not result.applied:
+                seen = "gradient"
+            if result.applied:
+                self._check_update(before_sq)
+            cause = cause or seen
             grad_norms.append(result.grad_norm)
             applied += int(result.applied)
         if normaliser > 0:
-            self._track_nonfinite(applied == cfg.num_iterations)
+            self._track_nonfinite(applied == cfg.num_iterations, cause or "loss")
         return sums, grad_norms
+
+    def _nonfinite_vote(self, loss_nonfinite: bool) -> str | None:
+        """The cause (nonfinite.CAUSES) seen on any rank before the optimizer step, or None: one all-reduce of the
+        flags and of each reward function's largest |weight x score| (named in the message)."""
+        flags = self._step_flags
+        votes = gdist.all_reduce_max([float(loss_nonfinite), float(flags.get("reward", False)),
+                                      float(flags.get("advantage", False)), *self._reward_peaks], self.ctx.device)
+        self._reward_peaks = [float(v) for v in votes[3:]]
+        return nonfinite.first_cause({"loss": votes[0] > 0, "reward": votes[1] > 0, "advantage": votes[2] > 0})
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """This rank's trainable parameters (its shards under FSDP)."""
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
+
+    def _check_update(self, before_sq: float) -> None:
+        """Stop (exit 3) before anything saves or samples from them when the applied update left the parameters
+        non-finite or absurdly larger (nonfinite.py); one all-reduce of this rank's sums of squares."""
+        s = gdist.all_reduce_sum([before_sq, nonfinite.parameter_norm_sq(self._trainable())], self.ctx.device)
+        problem = nonfinite.parameter_problem(float(s[0]), float(s[1]))
+        if problem:
+            raise NonFiniteError(
+                f"parameters: {problem} at step {self.step + 1} (learning_rate {self.engine.current_lr():.3g}); "
+                f"stopping before any checkpoint holds them. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "
+                f"Lower learning_rate{self._precision_advice()}")
 
     def _train_micro_batch(self, mb: RolloutBatch, advantages: torch.Tensor, normaliser: float,
                            ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, it: int, sums: dict) -> bool:
@@ -551,6 +601,10 @@ class GRPOTrainer:
             loss = loss * float("nan")
         finite = bool(torch.isfinite(loss.detach()))
         self.engine.backward(loss)
+        if faults.inject("nan_grad", self.step + 1, self.ctx.rank):
+            for p in self._trainable():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
         if first:
             sums["loss"] += float(terms.loss.detach())
             sums["pg"] += float(terms.pg_sum)
@@ -610,17 +664,19 @@ class GRPOTrainer:
         out = self.engine.module(**self._empty_inputs())
         self.engine.backward(out.logits.sum() * 0.0)
 
-    def _track_nonfinite(self, all_applied: bool) -> None:
+    def _track_nonfinite(self, all_applied: bool, cause: str = "loss") -> None:
+        """Count a skipped step; stop after max_consecutive_nonfinite in a row, naming the cause of the last."""
         if all_applied:
             self.consecutive_nonfinite = 0
             return
         self.consecutive_nonfinite += 1
         self.nonfinite_steps += 1
         if self.consecutive_nonfinite >= self.cfg.max_consecutive_nonfinite:
+            what = nonfinite.describe(cause, self.rewards.names, self._reward_peaks, self.cfg.scale_rewards)
             raise NonFiniteError(
-                f"{self.consecutive_nonfinite} consecutive steps had a NaN/inf loss or gradient norm (step "
-                f"{self.step + 1}); stopping. The last checkpoint in {self.cfg.output_dir} is intact. Lower "
-                f"learning_rate, check the data{self._precision_advice()}")
+                f"{cause}: {self.consecutive_nonfinite} consecutive steps had {what} (the last: step "
+                f"{self.step + 1}); stopping. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "
+                f"{nonfinite.advice(cause, self._precision_advice())}")
 
     def _precision_advice(self) -> str:
         """The override that turns mixed precision off, as the config parser reads it (YAML null), when it is on."""

@@ -108,3 +108,49 @@ def batch_crash(completions, **kwargs):
     if any("CRASH" in c for c in completions):
         os._exit(3)
     return [1.0] * len(completions)
+
+
+def calls_sys_exit(completion: str, reference: str) -> float:
+    """sys.exit(0) where EXIT_RANK names this rank (or is unset): must be a reward error, not the end of the run."""
+    import os
+    import sys
+    if os.environ.get("EXIT_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
+        sys.exit(0)
+    return float(len(completion) % 2)
+
+
+def calls_os_exit(completion: str, reference: str) -> float:
+    """os._exit(0) where EXIT_RANK names this rank (or is unset): the process would end at once, code 0."""
+    import os
+    if os.environ.get("EXIT_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
+        os._exit(0)
+    return float(len(completion) % 2)
+
+
+def forks_sleeper(completion: str, reference: str) -> float:
+    """Forks a grandchild that sleeps for 10 minutes and writes its pid into SLEEPER_DIR; then does what
+    SLEEPER_THEN says: 'return' (score 1), 'hang' (sleep past the time limit) or 'crash' (os._exit(1))."""
+    import os
+    import time
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open(os.path.join(os.environ["SLEEPER_DIR"], str(pid)), "w"):
+        pass
+    then = os.environ.get("SLEEPER_THEN", "return")
+    if then == "hang":
+        time.sleep(600)
+    elif then == "crash":
+        os._exit(1)
+    return 1.0
+
+
+def huge(completion: str, reference: str) -> float:
+    """Finite, so no reward error, but 1e200 overflows float32 (and its square float64)."""
+    return 1e200 if len(completion) % 2 else -1e200
+
+
+def near_float32_max(completion: str, reference: str) -> float:
+    """Finite in float32, but r - mean of a group overflows it (with scale_rewards=none)."""
+    return 3.3e38 if len(completion) % 2 else -3.3e38

@@ -22,15 +22,22 @@ Workers never outlive the parent: they exit on EOF of their request pipe, ask
 the kernel to SIGKILL them when the parent dies (``PR_SET_PDEATHSIG`` on
 Linux), poll the parent pid from a watchdog thread, and are killed by
 ``close()``, by the context manager, by garbage collection and at interpreter
-exit.
+exit.  Nor do processes that a reward function forks: each worker leads a
+session (process group) of its own, every kill (close, time limit, crash
+replacement) is a SIGKILL of the whole group, and a tiny reaper process forked
+by the worker before any user code runs kills the group when the worker dies
+by any other means (e.g. SIGKILLed when the parent died).  A grandchild that
+starts a session of its own (setsid) escapes this.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -104,11 +111,36 @@ def _short(v) -> str:
 
 def _call_safely(fn, completion, reference, **kwargs) -> tuple[float, str | None]:
     """(score, error): a function that raises or returns a non-number scores 0.0, with the reason (a traceback for
-    an exception)."""
+    an exception). SystemExit counts as a failure like any exception: a reward function must not end the run
+    (only KeyboardInterrupt passes through)."""
     try:
         return _check_score(fn(completion, reference, **kwargs))
-    except Exception:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
         return 0.0, "raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]
+
+
+class ProcessExitCalled(Exception):
+    """Raised instead of ending the process when an in-process reward function calls os._exit."""
+
+
+@contextlib.contextmanager
+def _process_exit_blocked():
+    """While in-process reward functions run, os._exit raises ProcessExitCalled (a reward error) instead of ending
+    the trainer with no message, no checkpoint and the code the function chose (os._exit(0) looks like success
+    to a scheduler). Restored afterwards. Not used in worker processes: there os._exit only ends the worker,
+    which is counted as a crash, and the worker's own watchdog needs the real one."""
+    real = os._exit
+
+    def refuse(code=0):
+        raise ProcessExitCalled(f"os._exit({code}) called by a reward function (refused in the trainer process)")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 # --------------------------------------------------------------------------- worker side
@@ -116,7 +148,6 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
     parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
     try:  # SIGKILL this process when the parent dies (Linux)
         import ctypes
-        import signal
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001
         pass
@@ -127,6 +158,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 os._exit(0)
             time.sleep(0.5)
 
+    _start_group_reaper()
     threading.Thread(target=watchdog, daemon=True).start()
     if os.getppid() != parent:
         os._exit(0)
@@ -162,6 +194,23 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
 
 
+def _start_group_reaper() -> None:  # pragma: no cover - runs in the worker process
+    """Fork the reaper: it waits for this worker to end, however it ends (SIGKILL included), then SIGKILLs the
+    worker's process group, i.e. whatever the reward functions forked. Forked before any user code runs and
+    before any thread starts; it keeps no descriptor of the protocol pipes (the parent sees EOF at once)."""
+    worker = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        os.close(0)
+        os.close(1)
+        while os.getppid() == worker:
+            time.sleep(0.5)
+        os.killpg(worker, signal.SIGKILL)  # the worker leads the group: its pid names it
+    finally:
+        os._exit(0)
+
+
 # --------------------------------------------------------------------------- parent side
 def _worker_env() -> dict:
     env = dict(os.environ)
@@ -178,8 +227,9 @@ class _Worker:
         cmd = [sys.executable, "-c",
                "from grpo_dist.rewards.grading import _worker_main; _worker_main()",
                str(os.getpid())]
+        # a session of its own: its process group holds whatever the reward functions fork, and dies with it
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=_worker_env(), close_fds=True)
+                                     env=_worker_env(), close_fds=True, start_new_session=True)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
@@ -209,6 +259,12 @@ class _Worker:
         return lines
 
     def kill(self):
+        """SIGKILL the worker's whole process group (the worker, its reaper, anything a reward function forked),
+        also when the worker itself has exited already."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
         try:
             self.proc.kill()
         except OSError:
@@ -485,7 +541,9 @@ class RewardComputer:
 
     def _grade_pairs(self, indices, completions, references):
         """In-process grading of the functions at `indices`: (flat scores, flat errors), function-major."""
-        pairs = [_call_safely(self.functions[k], c, r) for k in indices for c, r in zip(completions, references)]
+        with _process_exit_blocked():
+            pairs = [_call_safely(self.functions[k], c, r) for k in indices
+                     for c, r in zip(completions, references)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _grade_here(self, fn, name, completions, references, lengths, max_len) -> tuple[list, list]:
@@ -493,9 +551,10 @@ class RewardComputer:
         if wanted and (lengths is None or ("max_completion_length" in wanted and max_len is None)):
             raise ValueError(f"reward function {name!r} needs {', '.join(wanted)}, which this call did not pass")
         values = {"max_completion_length": max_len}
-        pairs = [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
-                                           for k in wanted})
-                 for i, (c, r) in enumerate(zip(completions, references))]
+        with _process_exit_blocked():
+            pairs = [_call_safely(fn, c, r, **{k: (int(lengths[i]) if k == "completion_length" else values[k])
+                                               for k in wanted})
+                     for i, (c, r) in enumerate(zip(completions, references))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _count_errors(self, errors: dict, n: int) -> None:

@@ -1,0 +1,57 @@
+"""The non-finite guard names what went non-finite (grpo_dist/nonfinite.py), each cause forced on the tiny model:
+reward (finite but enormous scores), advantage (a group spread that overflows float32), loss (NaN fault),
+gradient (NaN gradients with a finite loss), parameters (learning_rate=1e10: a finite loss, a diverged update,
+stopped before any checkpoint saves it). The message names the newest checkpoint, or says there is none."""
+
+import pytest
+
+from helpers import EQUIV_BASE as BASE
+
+
+def _trainer(tmp_path, *extra):
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    cfg = load_config(None, BASE + ["prompts_per_rank=2", "data.limit=8", f"output_dir={tmp_path / 'run'}",
+                                    "max_consecutive_nonfinite=1", "save_steps=1", "max_steps=2", *extra])
+    return GRPOTrainer(cfg, init_distributed(60))
+
+
+def _stop_message(tr):
+    from grpo_dist.trainer import NonFiniteError
+    with pytest.raises(NonFiniteError) as err:
+        tr.train()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("reward, extra, cause, words", [
+    ("huge", [], "reward", ["from reward function 'huge'", "1e+200", "rewards must be finite and of moderate size",
+                            "Fix the reward function"]),
+    ("near_float32_max", ["scale_rewards=none"], "advantage", ["non-finite advantages", "scale_rewards=none"]),
+])
+def test_enormous_rewards_are_named(reward, extra, cause, words, tmp_path):
+    tr = _trainer(tmp_path, f"rewards=[{{function: 'reward_fns:{reward}'}}]", *extra)
+    msg = _stop_message(tr)
+    assert msg.startswith(f"{cause}: 1 consecutive steps had "), msg
+    for w in words:
+        assert w in msg, msg
+    assert "learning_rate" not in msg and f"There is no checkpoint in {tmp_path / 'run'}" in msg, msg
+
+
+@pytest.mark.parametrize("fault, cause, words", [("nan", "loss", "a NaN/inf loss"),
+                                                 ("nan_grad", "gradient", "a NaN/inf gradient norm")])
+def test_loss_and_gradient_are_named_with_the_newest_checkpoint(fault, cause, words, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_DIST_FAULT", f"{fault}@step2")
+    tr = _trainer(tmp_path, "rewards=[{function: 'reward_fns:odd_length'}]")
+    msg = _stop_message(tr)
+    assert msg.startswith(f"{cause}: 1 consecutive steps had {words}") and "(the last: step 2)" in msg, msg
+    assert f"The newest checkpoint, {tmp_path / 'run' / 'checkpoint-1'}, holds" in msg, msg
+    assert "Lower learning_rate" in msg
+
+
+def test_diverged_update_stops_before_any_checkpoint(tmp_path):
+    tr = _trainer(tmp_path, "rewards=[{function: 'reward_fns:odd_length'}]", "learning_rate=1e10")
+    msg = _stop_message(tr)
+    assert msg.startswith("parameters: the parameters' norm grew") and "at step 1" in msg, msg
+    assert f"There is no checkpoint in {tmp_path / 'run'}" in msg and "Lower learning_rate" in msg, msg
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -1,0 +1,60 @@
+"""A reward function graded in the trainer process (reward_workers=0) that calls sys.exit or os._exit cannot end
+the run: the call is a reward error like an exception (scored 0, counted in reward_errors/<name>, printed once),
+and a function that does it on every completion stops the run with exit 2 and one line naming it, instead of a
+silent exit 0 with no checkpoint."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get(
+        "PYTHONPATH", "")]))
+    env.pop("EXIT_RANK", None)
+    return env
+
+
+@pytest.mark.fast
+def test_in_process_sys_exit_is_a_reward_error(capfd, monkeypatch):
+    monkeypatch.delenv("EXIT_RANK", raising=False)
+    _grade_and_check("calls_sys_exit")
+    assert "SystemExit" in capfd.readouterr().err
+
+
+@pytest.mark.fast
+def test_in_process_os_exit_is_a_reward_error():
+    """In a child process: on today's code os._exit(0) would end pytest itself, with code 0."""
+    code = "import test_reward_exit as t; t._grade_and_check('calls_os_exit'); print('survived')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "survived", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stderr.count("reward function 'calls_os_exit'") == 1
+    assert "os._exit(0) called by a reward function" in r.stderr
+
+
+def _grade_and_check(fn):
+    from grpo_dist.rewards import RewardComputer
+    real_exit = os._exit
+    with RewardComputer([{"function": f"reward_fns:{fn}"}, {"function": "reward_fns:odd_length"}],
+                        num_workers=0) as rc:
+        totals, per_fn = rc(["a", "bb", "ccc"], ["1"] * 3)
+    assert os._exit is real_exit  # restored
+    assert rc.last_errors == {fn: 3, "odd_length": 0}
+    assert per_fn[fn] == [0.0] * 3 and totals == [1.0, 0.0, 1.0]
+
+
+def test_os_exit_on_every_completion_stops_the_run_with_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml",
+                        "max_steps=1", "save_steps=0", "save_final=false", "reward_workers=0", "progress_bar=false",
+                        "rewards=[{function: 'reward_fns:calls_os_exit'}]", f"output_dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    final = [x for x in r.stderr.splitlines() if x.startswith("grpo_dist: rank")]
+    assert len(final) == 1 and "reward function 'calls_os_exit' failed on all 8 completions" in final[0], r.stderr
+    assert "os._exit(0) called by a reward function" in r.stderr
