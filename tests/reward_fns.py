@@ -154,3 +154,20 @@ def huge(completion: str, reference: str) -> float:
 def near_float32_max(completion: str, reference: str) -> float:
     """Finite in float32, but r - mean of a group overflows it (with scale_rewards=none)."""
     return 3.3e38 if len(completion) % 2 else -3.3e38
+
+
+def batch_calls_sys_exit(completions, **kwargs):
+    """The batch form (TRL's contract) of calls_sys_exit."""
+    import sys
+    sys.exit(0)
+
+
+def batch_calls_os_exit(completions, **kwargs):
+    """The batch form of calls_os_exit."""
+    import os
+    os._exit(0)
+
+
+def batch_forks_sleeper(completions, **kwargs):
+    """The batch form of forks_sleeper: one grandchild per call, then what SLEEPER_THEN says."""
+    return [forks_sleeper(c, "") for c in completions[:1]] * len(completions)

@@ -38,6 +38,22 @@ def test_in_process_os_exit_is_a_reward_error():
     assert "os._exit(0) called by a reward function" in r.stderr
 
 
+@pytest.mark.fast
+def test_in_process_batch_sys_exit_is_a_reward_error(capfd):
+    """The same for a batch-form (TRL-contract) function graded in the trainer process."""
+    _grade_and_check("batch_calls_sys_exit")
+    assert "SystemExit" in capfd.readouterr().err
+
+
+@pytest.mark.fast
+def test_in_process_batch_os_exit_is_a_reward_error():
+    code = "import test_reward_exit as t; t._grade_and_check('batch_calls_os_exit'); print('survived')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "survived", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "os._exit(0) called by a reward function" in r.stderr
+
+
 def _grade_and_check(fn):
     from grpo_dist.rewards import RewardComputer
     real_exit = os._exit

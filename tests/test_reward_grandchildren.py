@@ -56,6 +56,21 @@ def test_grandchildren_die_with_their_worker(then, tmp_path, monkeypatch):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("then", ["return", "hang", "crash"])
+def test_grandchildren_of_a_batch_function_die_with_their_worker(then, tmp_path, monkeypatch):
+    """The same for a batch-form (TRL-contract) function, which has a worker process of its own."""
+    from grpo_dist.rewards import RewardComputer
+    monkeypatch.setenv("SLEEPER_DIR", str(tmp_path))
+    monkeypatch.setenv("SLEEPER_THEN", then)
+    with RewardComputer([{"function": "reward_fns:batch_forks_sleeper"}], num_workers=1, timeout_s=1.0) as rc:
+        totals, _ = rc(["a"], ["1"])
+        assert totals == ([1.0] if then == "return" else [0.0])
+        if then != "return":  # killed (time limit) or dead (crash) already, before close()
+            _assert_all_die(_sleepers(tmp_path))
+    _assert_all_die(_sleepers(tmp_path))
+
+
+@pytest.mark.fast
 def test_grandchildren_die_when_the_parent_is_killed(tmp_path):
     code = ("from grpo_dist.rewards import RewardComputer; import time; "
             "rc = RewardComputer([{'function': 'reward_fns:forks_sleeper'}], num_workers=1, timeout_s=30); "

@@ -45,9 +45,6 @@ import json
 import math
 import os
 import select
-import subprocess
-import sys
-import threading
 import time
 import traceback
 import weakref
@@ -162,9 +159,13 @@ def check_batch_result(value, n: int, what: str = "returned") -> tuple[list, lis
 
 
 def _call_batch(fn, arguments: dict, n: int) -> tuple[list, list]:
+    """A batch function's (scores, errors); SystemExit (and os._exit in the trainer process, see
+    RewardComputer) is a failure like any exception: a reward function must not end the run."""
     try:
         out = fn(**arguments_for(fn, arguments))
-    except Exception:  # noqa: BLE001 - a failing batch call scores 0 on every item; the caller counts them
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a failing batch call scores 0 on every item; the caller counts them
         msg = "raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]
         return [0.0] * n, [msg] * n
     return check_batch_result(out, n)
@@ -172,27 +173,8 @@ def _call_batch(fn, arguments: dict, n: int) -> tuple[list, list]:
 
 # --------------------------------------------------------------------------------------------------- worker side
 def _batch_worker_main() -> None:  # pragma: no cover - runs in the child process
-    parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
-    try:  # SIGKILL this process when the parent dies (Linux)
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
-
-    def watchdog():
-        while True:
-            if os.getppid() != parent:
-                os._exit(0)
-            time.sleep(0.5)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
-    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)  # what user code prints goes to stderr, never into the protocol
-    sys.stdout = sys.stderr
+    from grpo_dist.rewards.grading import worker_preamble
+    proto_in, proto_out = worker_preamble()  # dies with the trainer; its process group dies with it
     from grpo_dist.rewards.grading import resolve_reward_function
     funcs: dict = {}
     proto_out.write(b'{"ready": 1}\n')
@@ -221,11 +203,8 @@ def _batch_worker_main() -> None:  # pragma: no cover - runs in the child proces
 # --------------------------------------------------------------------------------------------------- parent side
 class _BatchWorker:
     def __init__(self):
-        from grpo_dist.rewards.grading import _worker_env
-        cmd = [sys.executable, "-c", "from grpo_dist.rewards.batch import _batch_worker_main; _batch_worker_main()",
-               str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env(),
-                                     close_fds=True)
+        from grpo_dist.rewards.grading import start_worker
+        self.proc = start_worker("from grpo_dist.rewards.batch import _batch_worker_main; _batch_worker_main()")
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
@@ -259,19 +238,8 @@ class _BatchWorker:
         return None if line is None else json.loads(line)
 
     def kill(self):
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
+        from grpo_dist.rewards.grading import kill_worker_group
+        kill_worker_group(self.proc)
 
 
 def _kill_all(holder: list) -> None:

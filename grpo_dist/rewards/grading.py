@@ -145,31 +145,7 @@ def _process_exit_blocked():
 
 # --------------------------------------------------------------------------- worker side
 def _worker_main() -> None:  # pragma: no cover - runs in the child process
-    parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
-    try:  # SIGKILL this process when the parent dies (Linux)
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
-
-    def watchdog():
-        while True:
-            if os.getppid() != parent:
-                os._exit(0)
-            time.sleep(0.5)
-
-    _start_group_reaper()
-    threading.Thread(target=watchdog, daemon=True).start()
-    if os.getppid() != parent:
-        os._exit(0)
-
-    # private protocol descriptors; user code sees /dev/null as stdin and stderr as stdout
-    proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
-    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    proto_in, proto_out = worker_preamble()
 
     funcs: dict = {}
     proto_out.write(b'{"ready": 1}\n')
@@ -194,6 +170,37 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
 
 
+def worker_preamble():  # pragma: no cover - runs in the child process
+    """What every grading worker (per item, or batch: rewards/batch.py) does before any user code runs: die with
+    its parent (PR_SET_PDEATHSIG, and a thread watching the parent pid), fork the reaper of its process group, and
+    move the protocol pipes off stdin/stdout (user code sees /dev/null as stdin and stderr as stdout). Returns
+    the protocol's (input, output) files. argv[1] is the parent's pid."""
+    parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
+    try:  # SIGKILL this process when the parent dies (Linux)
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+    def watchdog():
+        while True:
+            if os.getppid() != parent:
+                os._exit(0)
+            time.sleep(0.5)
+
+    _start_group_reaper()
+    threading.Thread(target=watchdog, daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(0)
+    proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
+    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto_in, proto_out
+
+
 def _start_group_reaper() -> None:  # pragma: no cover - runs in the worker process
     """Fork the reaper: it waits for this worker to end, however it ends (SIGKILL included), then SIGKILLs the
     worker's process group, i.e. whatever the reward functions forked. Forked before any user code runs and
@@ -212,6 +219,35 @@ def _start_group_reaper() -> None:  # pragma: no cover - runs in the worker proc
 
 
 # --------------------------------------------------------------------------- parent side
+def start_worker(code: str) -> subprocess.Popen:
+    """A grading worker running `code` (which calls worker_preamble first) in a fresh interpreter, leading a
+    process group of its own (a session), so kill_worker_group reaches whatever its reward functions fork."""
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=_worker_env(), close_fds=True, start_new_session=True)
+
+
+def kill_worker_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker's whole process group (the worker, its reaper, anything a reward function forked), also
+    when the worker itself has exited already; close its pipes and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    for f in (proc.stdin, proc.stdout):
+        try:
+            f.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
 def _worker_env() -> dict:
     env = dict(os.environ)
     paths = [os.getcwd() if p == "" else p for p in sys.path]
@@ -224,12 +260,7 @@ def _worker_env() -> dict:
 
 class _Worker:
     def __init__(self):
-        cmd = [sys.executable, "-c",
-               "from grpo_dist.rewards.grading import _worker_main; _worker_main()",
-               str(os.getpid())]
-        # a session of its own: its process group holds whatever the reward functions fork, and dies with it
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=_worker_env(), close_fds=True, start_new_session=True)
+        self.proc = start_worker("from grpo_dist.rewards.grading import _worker_main; _worker_main()")
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
@@ -259,25 +290,7 @@ class _Worker:
         return lines
 
     def kill(self):
-        """SIGKILL the worker's whole process group (the worker, its reaper, anything a reward function forked),
-        also when the worker itself has exited already."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
+        kill_worker_group(self.proc)
 
     def close(self):
         try:
@@ -524,7 +537,8 @@ class RewardComputer:
                                  columns or {}, self.conversational)
                 for name, scorer in self._batch.items():
                     try:
-                        scores, errors[name] = scorer.score(rb)
+                        with _process_exit_blocked():
+                            scores, errors[name] = scorer.score(rb)
                     except Exception:  # noqa: BLE001 - a scorer's own failure: every item an error, counted
                         scores = [0.0] * n
                         errors[name] = ["raised " + traceback.format_exc(limit=8)[-_MAX_ERROR_CHARS:]] * n
