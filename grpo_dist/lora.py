@@ -42,7 +42,19 @@ def apply_lora(model: torch.nn.Module, lcfg, init_seed: int) -> torch.nn.Module:
             raise ConfigError(f"config key 'lora.target_modules' = {list(lcfg.target_modules)}: {e}") from None
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(name))
+    compute_in_input_dtype(model)
     return model
+
+
+def compute_in_input_dtype(model: torch.nn.Module) -> None:
+    """peft casts a LoRA layer's input to lora_A's stored dtype. Under mixed precision that is the fp32 master
+    weight while the engine computes the adapter in bf16/fp16 (FSDP unshards lora_A in the compute dtype only when
+    lora_A itself runs): an fp32 input meets a bf16 weight. Off, the adapter computes in the dtype the activations
+    already have, which is the engine's compute dtype on every engine (fp32 without mixed precision)."""
+    from peft.tuners.lora import LoraLayer
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.cast_input_dtype_enabled = False
 
 
 def activate_dropout(model: torch.nn.Module) -> None:
@@ -63,17 +75,23 @@ def scaling(lcfg) -> float:
 
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module):
-    """The base model's forward: every LoRA layer skips its adapter. Sets peft's flag directly, because peft's
-    disable_adapter_layers also flips requires_grad (which FSDP's flat parameters must not see mid-run)."""
+    """The base model's forward: every LoRA layer adds 0 x its adapter's output. The adapters still run, so the
+    reference pass executes the same modules in the same order as the policy's: FSDP's forward prefetch (and
+    ZeRO-3's) replays the recorded order, and a prefetched adapter unit that never ran would stay unsharded (on
+    NO_SHARD its parameters then vanish from named_parameters: the next weight sync failed with a KeyError).
+    Not peft's disable_adapter_layers either: it flips requires_grad, which FSDP's flat parameters must not see
+    mid-run. y + 0 * a is y exactly for a finite adapter output a, in any dtype."""
     from peft.tuners.lora import LoraLayer
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    saved = [dict(m.scaling) for m in layers]
     for m in layers:
-        m._disable_adapters = True
+        for k in m.scaling:
+            m.scaling[k] = 0.0
     try:
         yield
     finally:
-        for m in layers:
-            m._disable_adapters = False
+        for m, s in zip(layers, saved):
+            m.scaling.update(s)
 
 
 class Reference(torch.nn.Module):
