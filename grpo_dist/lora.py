@@ -40,6 +40,7 @@ def apply_lora(model: torch.nn.Module, lcfg, init_seed: int) -> torch.nn.Module:
         except ValueError as e:  # peft: target modules not found in the model
             from grpo_dist.config import ConfigError
             raise ConfigError(f"config key 'lora.target_modules' = {list(lcfg.target_modules)}: {e}") from None
+    _refuse_embedding_targets(model, lcfg)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(name))
     compute_in_input_dtype(model)
@@ -55,6 +56,39 @@ def compute_in_input_dtype(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, LoraLayer):
             m.cast_input_dtype_enabled = False
+
+
+def _refuse_embedding_targets(model: torch.nn.Module, lcfg) -> None:
+    """peft's embedding adapters (lora_embedding_A/B) are neither trained nor merged here: refuse them."""
+    from peft.tuners.lora import LoraLayer
+    hit = [n for n, m in model.named_modules()
+           if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), torch.nn.Embedding)]
+    if hit:
+        from grpo_dist.config import ConfigError
+        raise ConfigError(f"config key 'lora.target_modules' = {list(lcfg.target_modules)} adapts the embedding "
+                          f"{hit[0]}: LoRA on embeddings is not supported (target Linear modules, lm_head included)")
+
+
+def adapted_tied_weights(model: torch.nn.Module) -> list[str]:
+    """Plain names of tied weights whose module carries an adapter (lm_head in target_modules of a model whose
+    head is tied to its embeddings). Merged, that weight is W + s B A while its twin stays W: the plain model that
+    holds the merge (the generation copy, merged/) must have them untied."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [n.replace(_BASE, ".") for group in names.values() if len(group) > 1 for n in group if _BASE in n]
+
+
+def untie(model: torch.nn.Module, names: list[str]) -> None:
+    """Give each named parameter of a plain model storage of its own (see adapted_tied_weights)."""
+    for name in names:
+        owner, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(owner)
+        old = getattr(module, leaf)
+        setattr(module, leaf, torch.nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+    config = getattr(model, "config", None)
+    if names and config is not None:
+        config.tie_word_embeddings = False  # nothing re-ties them (tie_weights, a save and reload)
 
 
 def activate_dropout(model: torch.nn.Module) -> None:
@@ -108,19 +142,25 @@ class Reference(torch.nn.Module):
 
 def merged(named: dict[str, torch.Tensor], s: float) -> dict[str, torch.Tensor]:
     """Full parameters of the adapted model (plain names) -> the plain model's parameters with the adapters
-    merged: x.weight = x.base_layer.weight + s * x.lora_B.default.weight @ x.lora_A.default.weight."""
+    merged: x.weight = x.base_layer.weight + s * x.lora_B.default.weight @ x.lora_A.default.weight.
+    `named` must hold tied weights under all their names: an adapted tied head (lm_head.base_layer.weight is the
+    embedding) is merged into its own lm_head.weight; an unadapted twin comes once, under its first name."""
     out = {}
+    plain_ids = set()
     for name, t in named.items():
         if is_adapter_param(name):
             continue
         if _BASE not in name:
-            out[name] = t
+            if id(t) not in plain_ids:  # a tied twin (named_parameters(remove_duplicate=False)): once, first name
+                out[name] = t
+            plain_ids.add(id(t))
             continue
         prefix, leaf = name.split(_BASE)
         plain = f"{prefix}.{leaf}"
         if leaf == "weight":
             a, b = named[f"{prefix}.lora_A.{ADAPTER}.weight"], named[f"{prefix}.lora_B.{ADAPTER}.weight"]
-            t = t + s * (b.to(t.dtype) @ a.to(t.dtype))
+            # summed in fp32 (DeepSpeed holds a bf16 base under mixed precision), kept in the wider dtype
+            t = (t.float() + s * (b.float() @ a.float())).to(torch.promote_types(t.dtype, a.dtype))
         out[plain] = t
     return out
 
