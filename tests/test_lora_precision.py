@@ -56,8 +56,10 @@ def _rollout_vs_policy(trainer, ids, relative=False):
 
 
 # ------------------------------------------------------------------------- rollout copy = policy, any targets
-def _sync_cases(rank, world_size, model_dir=None):
-    """One LoRA step on fixed rollouts per (model, targets); the rollout copy's logits against the policy's."""
+def _sync_cases(rank, world_size, root, model_dir=None):
+    """One LoRA step on fixed rollouts per (model, targets); the rollout copy's logits against the policy's, and
+    (tiny models) those of the merged/ model a checkpoint writes, loaded with from_pretrained."""
+    from transformers import AutoModelForCausalLM
     batch, rewards = fixed_rollout()
     models = {"tied": [TIED_MODEL], "untied": []} if model_dir is None else \
         {"real_tied": [f"model.name_or_path={model_dir}", "micro_batch_size=4"]}
@@ -67,24 +69,29 @@ def _sync_cases(rank, world_size, model_dir=None):
     for model, m_over in models.items():
         for target, modules in targets.items():
             tr = _trainer(EQUIV_BASE + LORA + m_over + [f"lora.target_modules={modules}", "prompts_per_rank=4",
-                                                         "output_dir=/tmp/unused"])
+                                                         f"output_dir={root}/{model}-{target}", "lora.save_merged=true"])
             set_lora_b(tr)
             tr.learn(batch, rewards)
             # the real model's fp32 logits reach ~20: x (W + s B A) and x W + s (x A) B round apart by ~1e-6 of that
             out[f"{model}-{target}"] = _rollout_vs_policy(tr, ids, relative=model_dir is not None)
+            if model_dir is None:
+                merged = AutoModelForCausalLM.from_pretrained(str(tr.save() / "merged")).eval()
+                with torch.no_grad():
+                    diff = merged(input_ids=ids).logits - tr.engine.module(input_ids=ids).logits
+                out[f"{model}-{target}-merged"] = float(diff.abs().max())
     return out
 
 
 def test_rollout_copy_computes_the_policy_for_every_target_choice(tmp_path):
-    diffs = run_ranks(_sync_cases, 1, tmp_path)[0]
-    assert len(diffs) == 2 * len(TARGETS)
+    diffs = run_ranks(_sync_cases, 1, tmp_path, str(tmp_path))[0]
+    assert len(diffs) == 2 * 2 * len(TARGETS)
     assert all(d < 1e-5 for d in diffs.values()), diffs
 
 
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_rollout_copy_of_the_real_tied_model_has_the_head_adapter(smollm2_dir, tmp_path):
-    diffs = run_ranks(_sync_cases, 1, tmp_path, str(smollm2_dir), timeout=600)[0]
+    diffs = run_ranks(_sync_cases, 1, tmp_path, str(tmp_path), str(smollm2_dir), timeout=600)[0]
     assert diffs["real_tied-head"] < 1e-5, diffs  # relative to max |logits|
 
 
