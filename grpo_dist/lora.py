@@ -181,6 +181,40 @@ def adapter_to_model_names(adapter_sd: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def is_adapter_dir(path) -> bool:
+    """A LoRA checkpoint: peft's adapter files (its base weights are the base model's, not in the directory)."""
+    from pathlib import Path
+    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+@torch.no_grad()
+def merge_saved_adapter(model: torch.nn.Module, adapter_dir) -> list[str]:
+    """Merge a saved adapter (save_adapter's files) into a plain model in place: W += (alpha / r) B A for every
+    adapted module, summed in fp32 as `merged` does; an adapted tied weight is untied first (adapted_tied_weights).
+    Returns the names of the merged weights."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    conf = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    s = conf["lora_alpha"] / conf["r"]
+    sd = adapter_to_model_names(load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS)))
+    prefixes = sorted({k.split(".lora_A.")[0] for k in sd if ".lora_A." in k})
+    uses: dict[int, int] = {}
+    for _, t in model.named_parameters(remove_duplicate=False):
+        uses[id(t)] = uses.get(id(t), 0) + 1
+    every = dict(model.named_parameters(remove_duplicate=False))
+    untie(model, [f"{m}.weight" for m in prefixes if uses[id(every[f"{m}.weight"])] > 1])
+    params = dict(model.named_parameters())
+    for m in prefixes:
+        w, a, b = params[f"{m}.weight"], sd[f"{m}.lora_A.{ADAPTER}.weight"], sd[f"{m}.lora_B.{ADAPTER}.weight"]
+        w.copy_(w.float() + s * (b.float() @ a.float()))
+    return [f"{m}.weight" for m in prefixes]
+
+
 def save_adapter(out_dir, model_sd: dict[str, torch.Tensor], lcfg, base_name: str | None) -> None:
     """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
     import json
