@@ -69,7 +69,8 @@ def _sync_cases(rank, world_size, root, model_dir=None):
     for model, m_over in models.items():
         for target, modules in targets.items():
             tr = _trainer(EQUIV_BASE + LORA + m_over + [f"lora.target_modules={modules}", "prompts_per_rank=4",
-                                                         f"output_dir={root}/{model}-{target}", "lora.save_merged=true"])
+                                                         f"output_dir={root}/{model}-{target}",
+                                                         "lora.save_merged=true"])
             set_lora_b(tr)
             tr.learn(batch, rewards)
             # the real model's fp32 logits reach ~20: x (W + s B A) and x W + s (x A) B round apart by ~1e-6 of that
