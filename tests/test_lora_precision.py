@@ -17,10 +17,10 @@ TARGETS = {
     "every_linear": "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
 }
 ENGINES = {  # what each run sets; the local engine is the fsdp backend on one process in full precision
-    "local": (1, ["distributed.backend=fsdp"]),
-    "fsdp": (2, ["distributed.backend=fsdp"]),
-    "zero2": (1, ["distributed.backend=deepspeed", "distributed.zero_stage=2"]),
-    "zero3": (1, ["distributed.backend=deepspeed", "distributed.zero_stage=3"]),
+    "local": ["distributed.backend=fsdp"],
+    "fsdp": ["distributed.backend=fsdp"],
+    "zero2": ["distributed.backend=deepspeed", "distributed.zero_stage=2"],
+    "zero3": ["distributed.backend=deepspeed", "distributed.zero_stage=3"],
 }
 # what the policy's logits and the rollout copy's may differ by: the merged weights are rounded to the compute dtype
 TOL = {"null": 1e-5, "bf16": 0.02, "fp16": 0.02}
@@ -117,7 +117,7 @@ def _run_and_resume(rank, world_size, engines, precisions, root):
             case = f"{engine}-{mp}"
             common = RESUME_BASE + LORA + ["lora.target_modules=[q_proj, v_proj, down_proj, lm_head]",
                                            "max_steps=2", f"distributed.mixed_precision={mp}",
-                                           "lora.save_merged=true"] + ENGINES[engine][1]
+                                           "lora.save_merged=true"] + ENGINES[engine]
             straight = _trainer(common + [f"output_dir={root}/{case}/a", "save_steps=1"])
             _randomize_b(straight)
             assert straight.train() == 0
@@ -149,8 +149,8 @@ def test_lora_one_process_local_and_fsdp_fp32_and_bf16(tmp_path):
                      timeout=600)[0])
 
 
-def _two_rank_cases(rank, world_size, root):
-    out = _run_and_resume(rank, world_size, ["fsdp"], ["null", "bf16"], root)
+def _two_rank_cases(rank, world_size, root, engines):
+    out = _run_and_resume(rank, world_size, engines, ["null", "bf16"], root)
     from grpo_dist.config import ConfigError
     try:
         _trainer(RESUME_BASE + LORA + ["lora.target_modules=[q_proj]", "distributed.sharding_strategy=NO_SHARD",
@@ -163,7 +163,7 @@ def _two_rank_cases(rank, world_size, root):
 
 @pytest.mark.slow
 def test_lora_two_fsdp_ranks_fp32_and_bf16_and_no_shard_refused(tmp_path):
-    results = run_ranks(_two_rank_cases, 2, tmp_path, str(tmp_path), timeout=600)[0]
+    results = run_ranks(_two_rank_cases, 2, tmp_path, str(tmp_path), ["fsdp"], timeout=600)[0]
     refused = results.pop("no_shard_refused")
     assert "'distributed.sharding_strategy' = NO_SHARD" in refused and "mixed_precision" in refused, refused
     _check(results)
@@ -172,9 +172,12 @@ def test_lora_two_fsdp_ranks_fp32_and_bf16_and_no_shard_refused(tmp_path):
 @pytest.mark.slow
 def test_lora_deepspeed_zero2_and_zero3_fp32_and_bf16(tmp_path):
     need_deepspeed()
-    # (DeepSpeed refuses fp16 on a CPU: "Type fp16 is not supported on your device")
+    # one process and 2 ranks (DeepSpeed refuses fp16 on a CPU: "Type fp16 is not supported on your device")
     _check(run_ranks(_run_and_resume, 1, tmp_path, ["zero2", "zero3"], ["null", "bf16"], str(tmp_path),
                      timeout=600)[0])
+    results = run_ranks(_two_rank_cases, 2, tmp_path, str(tmp_path / "two"), ["zero2", "zero3"], timeout=600)[0]
+    results.pop("no_shard_refused")
+    _check(results)
 
 
 def _real_bf16(rank, world_size, model_dir):
