@@ -5,8 +5,11 @@ The policy stays the plain HF model class with peft's LoRA layers in place of th
 one unit), the local engine, completion_logits and checkpoints see one ordinary module. Parameter names gain
 `.base_layer.` and `.lora_A.default.` / `.lora_B.default.`.
 
-- Reference model (beta > 0): the policy with its adapters switched off (`adapters_disabled`), no second model.
-- Generation replica: a plain copy of the model, refreshed with merged weights W + (alpha / r) B A (`merged`).
+- Reference model (beta > 0): the policy with its adapters scaled to 0 (`adapters_disabled`), no second model.
+- Mixed precision: the adapters compute in the activations' dtype (`compute_in_input_dtype`); their master
+  weights stay fp32 where the engine keeps fp32 masters (FSDP's MixedPrecision, DeepSpeed's optimizer).
+- Generation replica: a plain copy of the model, refreshed with merged weights W + (alpha / r) B A (`merged`). An
+  adapted tied head (lm_head in target_modules, tie_word_embeddings) is untied there and in merged/.
 - Checkpoints: adapter_config.json + adapter_model.safetensors in peft's format (PeftModel.from_pretrained
   loads them onto the base model), and with lora.save_merged the merged HF model in merged/.
 """
