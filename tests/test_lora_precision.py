@@ -217,3 +217,14 @@ def test_lora_bf16_fsdp_on_the_real_model(smollm2_dir, tmp_path):
         # bf16: the merged weight W + s B A is rounded once more than the policy's W x + s B (A x) (measured
         # 1.9e-2 of max |logits|); an adapter missing from the copy would differ by `moved` (0.145)
         assert r["kl"] > 0 and r["ref"] < 1e-2 and all(s < 0.04 and s < r["moved"] / 4 for s in r["syncs"]), r
+
+
+def test_embedding_targets_are_refused_naming_the_key():
+    """peft's embedding adapters are neither trained nor merged here: refused, not silently frozen."""
+    from grpo_dist import lora
+    from grpo_dist.config import ConfigError, load_config
+    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer
+    cfg = load_config(None, [TIED_MODEL, "lora.r=4", "lora.target_modules=[embed_tokens, q_proj]"])
+    model = build_tiny_model(cfg.model, build_tiny_tokenizer(cfg.model))
+    with pytest.raises(ConfigError, match=r"'lora.target_modules'.*model.embed_tokens.*not supported"):
+        lora.apply_lora(model, cfg.lora, 0)
