@@ -480,9 +480,13 @@ def _save_lora(out: Path, model_sd: dict, lora_cfg, base_name, hf_model, tokeniz
         merged = lora.merged(model_sd, lora.scaling(lora_cfg))
         (out / "merged").mkdir()
         _save_hf_config(hf_model, out / "merged")
+        tie = getattr(hf_model.config, "tie_word_embeddings", False)
+        if tie and lora.adapted_tied_weights(hf_model):  # an adapted tied head: merged, it has weights of its own
+            tie = False
+            path = out / "merged" / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": False}, indent=2))
         write_hf_weights(out / "merged", {k: (v.shape, v.dtype) for k, v in merged.items()},
-                         lambda names: {k: merged[k] for k in names},
-                         getattr(hf_model.config, "tie_word_embeddings", False))
+                         lambda names: {k: merged[k] for k in names}, tie)
         tokenizer.save_pretrained(out / "merged")
 
 

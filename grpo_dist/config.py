@@ -374,8 +374,6 @@ class GRPOConfig:
                 bad.append("config key 'lora.r' > 0 needs peft: pip install 'grpo_dist[lora]'")
         if lc.r and not lc.target_modules:
             bad.append("config key 'lora.target_modules' must name at least one module when lora.r > 0")
-        if lc.r and self.distributed.backend != "fsdp":
-            bad.append("config key 'lora.r' > 0 needs distributed.backend=fsdp (DeepSpeed: not supported)")
         if lc.r and self.save_format == "sharded":
             bad.append("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
                               "checkpoints hold the adapter (small); use full or auto")

@@ -114,6 +114,7 @@ class GRPOTrainer:
         num_params = sum(p.numel() for p in policy.parameters())
         if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
             lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
+            self._untie_replica(lora.adapted_tied_weights(policy))
         self.engine = build_engine(cfg, policy, ctx)
         if cfg.lora.r and cfg.lora.dropout:
             lora.activate_dropout(self.engine.module)
@@ -164,6 +165,15 @@ class GRPOTrainer:
         replica.requires_grad_(False)
         prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         return replica
+
+    def _untie_replica(self, names: list[str]) -> None:
+        """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
+        if names and self.cfg.rollout_engine == "vllm":
+            raise ConfigError(f"config key 'lora.target_modules' adapts {names[0]}, which this model ties to its "
+                              f"embeddings: not supported with rollout_engine=vllm (its model keeps them tied); "
+                              f"use rollout_engine=lean or hf, or leave lm_head out")
+        if self.gen_model is not None:
+            lora.untie(self.gen_model, names)
 
     @staticmethod
     def _seed_everything(seed: int) -> None:

@@ -131,3 +131,22 @@ def save_classifier(path, num_labels=1, chat_template=None, seed=0):
     LlamaForSequenceClassification(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------------ LoRA
+
+def set_lora_b(trainer, scale=0.05):
+    """B starts at 0 (the adapted model equals the base); give it seeded values, the same on every rank and under
+    any sharding, so that the step moves A too and the KL to the reference is not 0."""
+    import contextlib
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from grpo_dist.engines import clean_name
+    m = trainer.engine.module
+    full = FSDP.summon_full_params(m, writeback=True) if isinstance(m, FSDP) else contextlib.nullcontext()
+    with full, torch.no_grad():
+        for name, p in m.named_parameters():
+            if ".lora_B." in name:
+                g = torch.Generator().manual_seed(sum(map(ord, clean_name(name))))
+                p.copy_(torch.randn(p.shape, generator=g) * scale)

@@ -134,3 +134,62 @@ def test_output_dir_without_config_uses_the_runs_config(tmp_path):
                         "--config", "configs/smoke_cpu.yaml", "reward_workers=0"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
     assert _json.loads(r.stdout.splitlines()[-1])["accuracy"] == 0.0  # an explicit --config still wins
+
+
+def test_saved_adapter_merged_into_the_base_computes_the_adapted_model(tmp_path):
+    """merge_saved_adapter (evaluate's base + adapter path): W + (alpha / r) B A into a fresh base model, the tied
+    head untied, gives the logits of the adapted model that wrote the adapter."""
+    from grpo_dist import lora
+    from grpo_dist.config import load_config
+    from grpo_dist.models import build_tiny_model, build_tiny_tokenizer
+    cfg = load_config(None, ["model.tiny={architecture: llama, hidden_size: 32, num_hidden_layers: 1, "
+                             "num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 64, "
+                             "tie_word_embeddings: true}", "lora.r=4", "lora.alpha=8",
+                             "lora.target_modules=[q_proj, down_proj, lm_head]"])
+    tok = build_tiny_tokenizer(cfg.model)
+    adapted = lora.apply_lora(build_tiny_model(cfg.model, tok), cfg.lora, 0).eval()
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    lora.save_adapter(tmp_path, adapted.state_dict(), cfg.lora, None)
+    base = build_tiny_model(cfg.model, tok).eval()
+    ids = torch.randint(4, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        assert sorted(lora.merge_saved_adapter(base, tmp_path)) == [
+            "lm_head.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+        assert base.lm_head.weight is not base.model.embed_tokens.weight
+        want, got = adapted(input_ids=ids).logits, base(input_ids=ids).logits
+    assert (want - before).abs().max() > 1e-2  # the adapter matters
+    assert (want - got).abs().max() < 1e-5
+
+
+@pytest.mark.slow  # a 1-step LoRA run, then 4 evaluations: ~40 s
+def test_lora_run_is_evaluated_with_its_config_from_merged_or_base_plus_adapter(tmp_path):
+    """--model of a LoRA run (output_dir, checkpoint, or its merged/) evaluates the trained model with the run's own
+    config (reward always_one: accuracy 1; the defaults give 0); without merged/ the base model + adapter gives the
+    same greedy completions as merged/."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH",
+                                                                                                       "")]))
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml", f"output_dir={out}",
+                    "max_steps=1", "save_steps=0", "reward_workers=0", "progress_bar=false", "lora.r=4",
+                    "lora.save_merged=true", "learning_rate=0.05", "rewards=[{function: 'reward_fns:always_one'}]"],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=300)
+
+    def evaluate(model, completions):
+        r = subprocess.run([sys.executable, "-m", "grpo_dist.tools.evaluate", "--model", str(model), "--limit", "6",
+                            "--completions", str(completions), "reward_workers=0"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.splitlines()[-1])["accuracy"] == 1.0
+        assert "using the training run's config" in r.stderr
+        return completions.read_text()
+
+    ckpt = out / "checkpoint-1"
+    merged = [evaluate(m, tmp_path / f"c{i}.jsonl") for i, m in enumerate((out, ckpt, ckpt / "merged"))]
+    assert merged[0] == merged[1] == merged[2]
+    (ckpt / "merged").rename(tmp_path / "merged_aside")
+    assert evaluate(ckpt, tmp_path / "base_plus_adapter.jsonl") == merged[0]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from helpers import EQUIV_BASE as BASE
 from helpers import G, PROMPTS, fixed_rollout
+from helpers import set_lora_b as _set_lora_b
 
 LORA = ["lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj, v_proj, down_proj]"]
 S = 8 / 4  # alpha / r
@@ -22,23 +23,6 @@ def _trainer(world_size, overrides, micro_batch_size=64):
                                                        f"micro_batch_size={micro_batch_size}",
                                                        "output_dir=/tmp/unused"])
     return GRPOTrainer(cfg, init_distributed(120))
-
-
-def _set_lora_b(trainer, scale=0.05):
-    """B starts at 0 (the adapted model equals the base); give it seeded values, the same on every rank and under
-    any sharding, so that the step moves A too and the KL to the reference is not 0."""
-    import contextlib
-
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from grpo_dist.engines import clean_name
-    m = trainer.engine.module
-    full = FSDP.summon_full_params(m, writeback=True) if isinstance(m, FSDP) else contextlib.nullcontext()
-    with full, torch.no_grad():
-        for name, p in m.named_parameters():
-            if ".lora_B." in name:
-                g = torch.Generator().manual_seed(sum(map(ord, clean_name(name))))
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def _adapters(sd):

@@ -266,10 +266,24 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None):
+        if self.cfg.lora.r:
+            yield from self._merged_lora_weights(dtype)
+            return
         for chunk in self._param_chunks():  # ZeRO-3: one gathered chunk at a time
             with self._gathered([p for _, p in chunk]):
                 for name, p in chunk:
                     yield name, p.detach() if dtype is None else p.detach().to(dtype)
+
+    def _merged_lora_weights(self, dtype: torch.dtype | None):
+        """LoRA: the plain model's weights W + (alpha / r) B A. A merge needs a layer's base weight and its A, B
+        together: ZeRO-3 gathers the whole model at once (with LoRA the trainable part is small, and the base is
+        what the rollout engine receives anyway). Every name of a tied weight: an adapted tied head is merged into
+        a weight of its own."""
+        from grpo_dist.lora import merged, scaling
+        named = {clean_name(n): p for n, p in self.module.module.named_parameters(remove_duplicate=False)}
+        with self._gathered(list({id(p): p for p in named.values()}.values())):
+            for name, t in merged(named, scaling(self.cfg.lora)).items():
+                yield name, t.detach() if dtype is None else t.detach().to(dtype)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
@@ -287,7 +301,8 @@ class DeepSpeedEngine(Engine):
                     seen[id(p)] = name
                     # With bf16/fp16 the fp32 master weights are the model; safe_get_full_fp32_param is a
                     # collective in both stages, so every rank calls it.
-                    full = safe_get_full_fp32_param(p) if self.mixed else p
+                    # Frozen parameters (LoRA's base) have no fp32 master: DeepSpeed holds them in the compute dtype.
+                    full = safe_get_full_fp32_param(p) if self.mixed and p.requires_grad else p
                     if out is not None:
                         out[name] = full.detach().to("cpu", copy=True)
         if out is not None:

@@ -30,12 +30,28 @@ def wrap_units(model: torch.nn.Module, setting: str) -> str:
     return "model" if sum(p.numel() for p in model.parameters()) < WHOLE_MODEL_UNIT_BELOW else "layer"
 
 
+def _refuse_full_precision_no_shard_lora(cfg, world_size: int) -> None:
+    """LoRA freezes the base weights. Under NO_SHARD in full precision FSDP unshards a frozen unit in place
+    (its flat parameter is its own shard) and, with no gradient for it, never re-registers its parameters after
+    the forward: they drop out of named_parameters and state_dict, and the first weight sync after a step finds
+    none. With mixed precision (a separate low-precision copy) or a sharded strategy they come back."""
+    dcfg = cfg.distributed
+    if cfg.lora.r and world_size > 1 and dcfg.sharding_strategy == "NO_SHARD" and not dcfg.mixed_precision \
+            and not dcfg.cpu_offload:
+        from grpo_dist.config import ConfigError
+        raise ConfigError(f"config key 'distributed.sharding_strategy' = NO_SHARD with LoRA (lora.r > 0) on "
+                          f"{world_size} ranks needs distributed.mixed_precision (bf16 or fp16); in full precision "
+                          f"use FULL_SHARD or SHARD_GRAD_OP")
+
+
 class FSDPEngine(TorchEngine):
     """Policy and reference as FSDP units (use_orig_params); full weights and state are gathered unit by unit."""
 
     # ------------------------------------------------------------------------------------------------ wrapping
     def _wrap(self, model: torch.nn.Module, trainable: bool) -> FSDP:
         dcfg = self.cfg.distributed
+        if trainable:
+            _refuse_full_precision_no_shard_lora(self.cfg, self.ctx.world_size)
         if self.ctx.world_size == 1:
             warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`.*")
         mp = None

@@ -75,7 +75,9 @@ class TorchEngine(Engine):
         model at once: with LoRA the trainable part is small, and the base model is what a merge needs anyway)."""
         from grpo_dist.lora import merged, scaling
         with self._full_params():
-            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in self.module.named_parameters()}
+            # every name of a tied weight: an adapted tied head is merged into a weight of its own
+            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in
+                                             self.module.named_parameters(remove_duplicate=False)}
             for name, t in merged(full, scaling(self.cfg.lora)).items():
                 yield name, t.detach() if dtype is None else t.detach().to(dtype)
 

@@ -5,6 +5,8 @@ pass@k from K samples per problem.
     torchrun --nproc_per_node 2 -m grpo_dist.tools.evaluate --model DIR --data FILE
 
 --model is an HF model directory, a checkpoint, or a training output_dir (its newest complete checkpoint is used).
+A LoRA checkpoint (adapter files) is evaluated as its merged/ model when the run wrote one (lora.save_merged), else
+as the run's base model with the adapter merged in; its merged/ given directly is evaluated with the run's config.
 --data is a .jsonl/.json/.parquet file read with the config's data fields (e.g. data.prompt_field=problem); without
 it the config's held-out split is used (data.eval_path, or the preset's eval split: GSM8K test, MATH-500, or the
 held-out arithmetic problems). --config supplies the prompt template, reward functions and sampling settings
@@ -50,21 +52,40 @@ def resolve_model_dir(path: str) -> str:
     return str(ck)
 
 
+def lora_model(model_dir: str) -> tuple[str | None, Path | None]:
+    """What to load for a LoRA checkpoint (adapter files, no model weights): (its merged/, None) when the run wrote
+    one (lora.save_merged), else (None, the adapter directory): the run's base model with the adapter merged in.
+    (model_dir, None) for anything else."""
+    from grpo_dist.lora import is_adapter_dir
+    if not is_adapter_dir(model_dir):
+        return model_dir, None
+    merged = Path(model_dir) / "merged"
+    return (str(merged), None) if (merged / "config.json").is_file() else (None, Path(model_dir))
+
+
 # Keys of a training config that mean nothing to an evaluation and could only get in its way.
 _RUN_ONLY_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")
 
 
+def _checkpoint_of(model_dir: str) -> Path:
+    """The checkpoint a model directory belongs to: itself, or for a LoRA checkpoint's merged/ its parent."""
+    from grpo_dist.lora import is_adapter_dir
+    p = Path(model_dir)
+    return p.parent if p.name == "merged" and is_adapter_dir(p.parent) else p
+
+
 def run_config(model_arg: str, model_dir: str) -> tuple[dict | None, str | None]:
-    """The config a model was trained with, when --model is a training output_dir or a checkpoint in one: the
-    checkpoint's own trainer_state.json (what trained these weights), else the run's config.yaml. (None, None) for
-    a plain model directory or a hub id."""
+    """The config a model was trained with, when --model is a training output_dir or a checkpoint in one (or a
+    LoRA checkpoint's merged/): the checkpoint's own trainer_state.json (what trained these weights), else the
+    run's config.yaml. (None, None) for a plain model directory or a hub id."""
     from grpo_dist.config import load_yaml
-    state = Path(model_dir) / "trainer_state.json"
+    ckpt = _checkpoint_of(model_dir)
+    state = ckpt / "trainer_state.json"
     if state.is_file():
         cfg = json.loads(state.read_text()).get("config")
         if isinstance(cfg, dict):
             return cfg, str(state)
-    for folder in (Path(model_arg), Path(model_dir).parent):
+    for folder in (Path(model_arg), ckpt.parent):
         f = folder / "config.yaml"
         if f.is_file():
             return load_yaml(f.read_text(), str(f)) or {}, str(f)
@@ -119,8 +140,17 @@ def main(argv=None) -> int:
             print(f"grpo_dist.tools.evaluate: using the training run's config from {source} (--config to override)",
                   file=sys.stderr)
             run_cfg = {k: v for k, v in run_cfg.items() if k not in _RUN_ONLY_KEYS}
-        cfg = load_config(args.config, overrides + [f"model.name_or_path={model_dir}"], base=run_cfg)
-        cfg.model.tiny = None
+        weights, adapter = lora_model(model_dir)
+        if adapter is None:
+            cfg = load_config(args.config, overrides + [f"model.name_or_path={weights}"], base=run_cfg)
+            cfg.model.tiny = None
+        else:  # the base model as the run (or --config / overrides) names it, the adapter merged in after loading
+            cfg = load_config(args.config, overrides, base=run_cfg)
+            _check_base(cfg, adapter, run_cfg is not None)
+        if weights != model_dir:
+            what = weights if adapter is None else \
+                f"its base model ({cfg.model.name_or_path or 'model.tiny'}) with the adapter merged in"
+            print(f"grpo_dist.tools.evaluate: LoRA checkpoint {model_dir}: evaluating {what}", file=sys.stderr)
     except (ConfigError, FileNotFoundError) as e:
         print(f"grpo_dist.tools.evaluate: {e}", file=sys.stderr)
         return 2
@@ -136,7 +166,7 @@ def main(argv=None) -> int:
         examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
-        model = _rollout_model(cfg, ctx, tokenizer)
+        model = _rollout_model(cfg, ctx, tokenizer, adapter)
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                  device=ctx.device, conversational=cfg.data.use_chat_template)
         records: list | None = [] if args.completions else None
@@ -168,9 +198,22 @@ def main(argv=None) -> int:
     return code
 
 
-def _rollout_model(cfg, ctx, tokenizer):
+def _check_base(cfg, adapter: Path, from_run: bool) -> None:
+    """A LoRA checkpoint without merged/ needs its base model: the run's, or one named on the command line."""
+    from grpo_dist.config import ConfigError
+    if not (cfg.model.name_or_path or cfg.model.tiny):
+        where = "the run's config names none" if from_run else "no training config found next to it"
+        raise ConfigError(f"--model {adapter} is a LoRA adapter without merged/ and {where}: pass its base model "
+                          f"as model.name_or_path=BASE (or train with lora.save_merged=true)")
+    if cfg.rollout_engine == "vllm":
+        raise ConfigError(f"config key 'rollout_engine' = vllm needs a model directory: {adapter} is a LoRA adapter "
+                          f"without merged/ (train with lora.save_merged=true, or use rollout_engine=lean)")
+
+
+def _rollout_model(cfg, ctx, tokenizer, adapter: Path | None = None):
     """rollout_engine=vllm: a vLLM engine on the model directory (no transformers copy is loaded); lean / hf: the
-    model, with q|k|v and gate|up fused for the lean decoder (generation only, never saved)."""
+    model (a LoRA adapter merged into it: W + (alpha / r) B A), with q|k|v and gate|up fused for the lean decoder
+    (generation only, never saved)."""
     from grpo_dist.decoder import prepare_replica
     from grpo_dist.models import load_model
     if cfg.rollout_engine == "vllm":
@@ -178,7 +221,11 @@ def _rollout_model(cfg, ctx, tokenizer):
         require_vllm()
         return build_rollout_engine(cfg, ctx, None, tokenizer)
     from grpo_dist.models import cast_parameters_
-    model = cast_parameters_(load_model(cfg.model, tokenizer), generation_dtype(cfg, ctx.device)).to(ctx.device)
+    model = load_model(cfg.model, tokenizer)
+    if adapter is not None:  # merged in the model's own dtype, before any cast to the generation dtype
+        from grpo_dist.lora import merge_saved_adapter
+        merge_saved_adapter(model, adapter)
+    model = cast_parameters_(model, generation_dtype(cfg, ctx.device)).to(ctx.device)
     prepare_replica(model)
     return model
 
