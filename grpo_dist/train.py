@@ -3,8 +3,9 @@
 Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit codes: 0 done, 2 bad config or data,
 3 stopped after max_consecutive_nonfinite steps in a row had a NaN/inf loss or gradient (the last checkpoint is
 intact), 75 stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a checkpoint (requeue and resume
-with resume_from_checkpoint=auto). Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh and the sbatch
-scripts pass the workers' code through.
+with resume_from_checkpoint=auto). The first Ctrl-C during training does the same as SIGTERM; a second one
+aborts at once with 130 (grpo_dist/interrupts.py). Plain torchrun exits 1 whenever a worker fails;
+launch/torchrun.sh and the sbatch scripts pass the workers' code through.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from grpo_dist.interrupts import abort_before_training
+    abort_before_training(is_main=os.environ.get("RANK", "0") == "0")  # the training loop handles Ctrl-C itself
     args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
     try:

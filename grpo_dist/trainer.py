@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import random
-import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +36,7 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
+from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
@@ -221,15 +221,18 @@ class GRPOTrainer:
                       f"{applied}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
-        """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
+        """Stop request (SIGTERM / SIGUSR1 / the first Ctrl-C, see interrupts.py): finish the current step,
+        checkpoint, exit PREEMPTED_EXIT_CODE."""
         self._stop_requested = True
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> int:
         """Run to max_steps. Returns the process exit code (0, or PREEMPTED_EXIT_CODE after a stop request)."""
+        with GracefulStop(self.request_stop, self.ctx.is_main, lambda: self.step + 1).installed():
+            return self._train_loop()
+
+    def _train_loop(self) -> int:
         cfg = self.cfg
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.request_stop)
         exit_code = 0
         try:
             while self.step < cfg.max_steps:
@@ -505,6 +508,7 @@ class GRPOTrainer:
                 else:
                     self._empty_backward()
             faults.inject("kill", self.step + 1, self.ctx.rank)
+            faults.inject("sigint", self.step + 1, self.ctx.rank)
             skip = gdist.any_rank(not finite, self.ctx.device) or normaliser == 0
             result = self.engine.step(skip=skip)
             grad_norms.append(result.grad_norm)

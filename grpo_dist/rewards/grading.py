@@ -128,6 +128,8 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
             time.sleep(0.5)
 
     threading.Thread(target=watchdog, daemon=True).start()
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches this child too: the trainer decides
     if os.getppid() != parent:
         os._exit(0)
 
