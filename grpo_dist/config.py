@@ -564,8 +564,9 @@ def _is_text_key(parts: list[str]) -> bool:
     return False
 
 
-def _blame(message: str, path, overrides: list[str]) -> str:
-    """Prefix an error with where the bad key came from: the command line or the YAML file."""
+def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None) -> str:
+    """Prefix an error with where the bad key came from: the command line, or the YAML file and the key's line
+    (`lines`: dotted key -> line, from yaml_key_lines)."""
     import re
     m = re.search(r"config key '([^']+)'", message)
     given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
@@ -574,7 +575,44 @@ def _blame(message: str, path, overrides: list[str]) -> str:
         top = re.split(r"[.\[]", key)[0]
         if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
             return f"command line: {message}"
+        line = key_line(lines or {}, key)
+        if path and line:
+            return f"{path}:{line}: {message}"
     return f"{path}: {message}" if path else message
+
+
+def yaml_key_lines(text: str) -> dict[str, int]:
+    """Dotted key (items of lists as key[i]) -> the 1-based line where it is written in a YAML text; {} when the
+    text does not compose."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    out: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                out.setdefault(key, k.start_mark.line + 1)
+                walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            base = prefix[:-1]
+            for i, item in enumerate(node.value):
+                out.setdefault(f"{base}[{i}]", item.start_mark.line + 1)
+                walk(item, f"{base}[{i}].")
+    walk(root, "")
+    return out
+
+
+def key_line(lines: dict[str, int], key: str) -> int | None:
+    """The line of `key`, else of its nearest enclosing key that is written in the file."""
+    while key:
+        if key in lines:
+            return lines[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -582,12 +620,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
     validate the typed config."""
     d: dict = dict(base or {})
+    lines: dict[str, int] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            d = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text()
+            d = yaml.safe_load(text) or {}
+            lines = yaml_key_lines(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(d, dict):
@@ -601,7 +642,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
         bad += e.problems
-    _raise_all([_blame(b, path, overrides or []) for b in bad])  # each names the command line or the file
+    _raise_all([_blame(b, path, overrides or [], lines) for b in bad])  # each names the command line or file:line
     return cfg
 
 
@@ -621,6 +662,14 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
     return lines
 
 
+def _check_data_files(cfg: GRPOConfig, path, overrides: list[str]) -> None:
+    """--check: the data files the config names exist and their first row has the configured fields (no model,
+    no dataset download); each problem names the file and line of the key, or the command line."""
+    from grpo_dist.data.check import data_file_problems
+    lines = yaml_key_lines(Path(path).read_text()) if path else {}
+    _raise_all([_blame(b, path, overrides, lines) for b in data_file_problems(cfg.data)])
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo_dist.config`: every key with its default and help.
     `python -m grpo_dist.config --check CONFIG [key=value ...]`: the resolved config as YAML (exit 0), or every
@@ -635,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     path = None if args[1] == "none" else args[1]
     try:
         cfg = load_config(path, args[2:])
+        _check_data_files(cfg, path, args[2:])
     except ConfigError as e:
         print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
         for p in e.problems:
