@@ -498,10 +498,8 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     bad = []
     for k in sorted(set(d) - names):
-        import difflib
-        close = difflib.get_close_matches(k, sorted(names), n=1)
-        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        bad.append(f"unknown config key '{prefix}{k}'{hint}; allowed keys here: {', '.join(sorted(names))}")
+        from grpo_dist.trl_names import unknown_key_message  # TRL's names, and "did you mean" for typos only
+        bad.append(unknown_key_message(prefix, k, names, d[k], d))
     kwargs = {}
     for k, v in d.items():
         if k in names:
@@ -544,6 +542,63 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             node[parts[-1]] = text if _is_text_key(parts) and text not in ("null", "~") else _parse_scalar(text)
     _raise_all(bad)
     return d
+
+
+def expand_flags(tokens: list[str], keep: tuple[str, ...] = ()) -> list[str]:
+    """Command-line words with argparse-style `--key value` / `--key=value` (TRL's and transformers' scripts; dotted
+    keys too, `-` read as `_`) rewritten as `key=value` overrides; `key=value` words pass as they are. A bare
+    `--key` of a boolean key (or of a TRL boolean such as --bf16) means true, and takes a following true / false.
+    The options in `keep` (with their value, e.g. --config FILE) are left for the caller's argparse."""
+    from grpo_dist.trl_names import BOOLEAN_NAMES
+    out, i, bad = [], 0, []
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        name = tok.split("=", 1)[0]
+        if not tok.startswith("--") or tok == "--" or name in keep:
+            out.append(tok)
+            if name in keep and "=" not in tok and i < len(tokens):
+                out.append(tokens[i])
+                i += 1
+            continue
+        key = name[2:].replace("-", "_")
+        if "=" in tok:
+            out.append(f"{key}={tok.split('=', 1)[1]}")
+            continue
+        parts = key.split(".")
+        boolean = _key_type(parts) is bool or (len(parts) == 1 and key in BOOLEAN_NAMES)
+        nxt = tokens[i] if i < len(tokens) else None
+        if boolean:
+            if nxt is not None and nxt.lower() in ("true", "false"):
+                out.append(f"{key}={nxt.lower()}")
+                i += 1
+            else:
+                out.append(f"{key}=true")
+        elif nxt is None or (nxt.startswith("--") and nxt != "--"):
+            bad.append(f"command line: flag {tok} needs a value: {tok} VALUE, {tok}=VALUE or {key}=VALUE")
+        else:
+            out.append(f"{key}={nxt}")
+            i += 1
+    _raise_all(bad)
+    return out
+
+
+def _key_type(parts: list[str]):
+    """The annotation of a dotted config key (Optional[X] read as X); None for a key that is not a config key."""
+    cls: type = GRPOConfig
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            return None
+        tp = hints[name]
+        if typing.get_origin(tp) in (Union, types.UnionType):
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if i == len(parts) - 1:
+            return tp
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return None
+        cls = tp
+    return None
 
 
 def _is_text_key(parts: list[str]) -> bool:
@@ -672,19 +727,21 @@ def _check_data_files(cfg: GRPOConfig, path, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo_dist.config`: every key with its default and help.
-    `python -m grpo_dist.config --check CONFIG [key=value ...]`: the resolved config as YAML (exit 0), or every
-    problem, one per line (exit 2). CONFIG may be `none` to check overrides on the defaults."""
+    `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
+    as YAML (exit 0), or every problem, one per line (exit 2). CONFIG may be `none` to check overrides on the
+    defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("\n".join(describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
-        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value ...]]", file=sys.stderr)
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value | --key value ...]]", file=sys.stderr)
         return 2
     path = None if args[1] == "none" else args[1]
     try:
-        cfg = load_config(path, args[2:])
-        _check_data_files(cfg, path, args[2:])
+        overrides = expand_flags(args[2:])
+        cfg = load_config(path, overrides)
+        _check_data_files(cfg, path, overrides)
     except ConfigError as e:
         print(f"{path or 'config'}: {len(e.problems)} problem(s)", file=sys.stderr)
         for p in e.problems:

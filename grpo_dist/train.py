@@ -21,19 +21,23 @@ EXIT_CODE_DIR_ENV = "GRPO_DIST_EXIT_CODE_DIR"
 
 
 def parse_args(argv=None):
+    """--config FILE, and overrides as key=value, --key value or --key=value (any config key, dotted too)."""
+    from grpo_dist.config import expand_flags
     p = argparse.ArgumentParser(prog="python -m grpo_dist.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file (keys documented by `python -m grpo_dist.config`)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. beta=0 model.dtype=bfloat16")
-    return p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. beta=0 model.dtype=bfloat16; "
+                   "or argparse style: --learning_rate 1e-6, --model.dtype=bfloat16")
+    words = sys.argv[1:] if argv is None else list(argv)
+    return p.parse_args(expand_flags(words, keep=("--config", "-h", "--help")))
 
 
 def main(argv=None) -> int:
     from grpo_dist.interrupts import abort_before_training
     abort_before_training(is_main=os.environ.get("RANK", "0") == "0")  # the training loop handles Ctrl-C itself
-    args = parse_args(argv)
     from grpo_dist.config import ConfigError, load_config
     try:
+        args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
