@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from grpo_dist.config import DataConfig
+from grpo_dist.data.conversational import conversation_problems
 from grpo_dist.data.examples import DataError
 from grpo_dist.data.files import load_file
 from grpo_dist.data.presets import resolve_data_config
@@ -38,7 +39,8 @@ def data_file_problems(cfg: DataConfig) -> list[str]:
             bad.append(f"{what} cannot be read (permission denied)")
         else:
             try:  # the first row only (the whole file for .json, whose list is parsed at once)
-                load_file(value, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, 1)
+                first = load_file(value, rcfg.prompt_field, rcfg.answer_field, rcfg.answer_format, 1)
+                bad += [f"{what}: {b}" for b in conversation_problems(first, cfg)]
             except DataError as e:
                 bad.append(f"{what}: {e}")
             except OSError as e:

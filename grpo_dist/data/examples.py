@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class DataError(ValueError):
@@ -15,3 +15,6 @@ class PromptExample:
     prompt: str   # the problem text (not rendered)
     answer: str   # the reference answer, already extracted
     index: int    # 0-based position in the loaded split (stable: same data config -> same index)
+    # TRL's conversational format: the row's prompt is a list of {role, content} messages, rendered with the
+    # tokenizer's chat template (prompt then holds the last user message, for logs and evaluation records)
+    messages: list[dict] | None = field(default=None, compare=False)

@@ -24,6 +24,9 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> str:
     With data.use_chat_template the filled template is the user message (after data.system_prompt, if set) and the
     tokenizer's chat template renders it with the generation prompt appended.
     """
+    if example.messages is not None:  # TRL's conversational format: the row's own messages
+        from grpo_dist.data.conversational import render_messages
+        return render_messages(example, cfg, tokenizer)
     bad = template_problems(cfg.prompt_template)
     if bad:
         raise DataError(bad[0])
