@@ -48,6 +48,17 @@ def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None
     return field(default=default, metadata=meta)
 
 
+# k1 = logp - ref as a loss term: its expected gradient is E_pi[grad log pi] = 0 (the score function has mean 0),
+# so beta * k1 adds noise to the update but no pull towards the reference (losses.grpo_loss refuses it too)
+K1_IN_LOSS = ("config key 'kl_estimator' = k1 as a loss term (beta > 0, kl_in_reward false) has zero expected "
+              "gradient (E_pi[grad log pi] = 0): use kl_estimator=k3 (or k2), or kl_in_reward=true, where k1 is the "
+              "usual per-sequence reward penalty")
+
+
+def _k1_problems(cfg) -> list[str]:
+    return [K1_IN_LOSS] if cfg.kl_estimator == "k1" and cfg.beta != 0 and not cfg.kl_in_reward else []
+
+
 # model.tiny: the keys a tiny random model takes, with their defaults (models.build_tiny_model), and its architectures
 TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
@@ -286,6 +297,7 @@ class GRPOConfig:
         if not self.rewards:
             bad.append("config key 'rewards' is empty: give at least one {function: module:function}")
         bad += self._variant_problems()
+        bad += _k1_problems(self)
         for i, r in enumerate(self.rewards):
             if not isinstance(r, dict) or "function" not in r or set(r) - {"function", "weight"}:
                 bad.append(f"config key 'rewards[{i}]' must be {{function: module:function, weight: float}}, "
@@ -747,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 2
+    from grpo_dist.advice import start_warnings
+    for line in start_warnings(cfg):
+        print(line, file=sys.stderr)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 

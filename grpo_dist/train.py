@@ -47,6 +47,7 @@ def main(argv=None) -> int:
 
     from grpo_dist import distributed as gdist
     from grpo_dist import preflight
+    from grpo_dist.advice import start_warnings
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
     from grpo_dist.runlock import stop_when_parent_dies
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
         lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on
         if ctx.is_main:
             cfg.save(Path(cfg.output_dir) / "config.yaml")
+            for line in start_warnings(cfg):
+                print(f"[grpo_dist] {line}", flush=True)
         trainer = GRPOTrainer(cfg, ctx)
         code = trainer.train()
         if ctx.is_main and code == 0:

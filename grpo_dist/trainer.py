@@ -373,9 +373,11 @@ class GRPOTrainer:
         timer = timer or Timer()
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
-            shaped, reward_kl = self._kl_shaped_rewards(batch, rewards)
+            shaped, seq_kl = self._kl_shaped_rewards(batch, rewards)
         advantages, flat_groups = self._advantages(shaped)
         rows = self._select_rows(batch, flat_groups)
+        # the kl metric is a mean over the trained tokens: its numerator sums the KL of the trained rows only
+        reward_kl = float(seq_kl[rows].sum()) if seq_kl is not None and rows else 0.0
         normaliser = self._step_normaliser(batch, rows)
         micro = self._plan_micro_batches(batch, rows)
         with timer("logprobs"):
@@ -389,13 +391,14 @@ class GRPOTrainer:
         return metrics
 
     # advantage
-    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _kl_shaped_rewards(self, batch: RolloutBatch,
+                           rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
-        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
-        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
+        before this update and the reference (no gradient). Returns (rewards, each row's summed KL, for the
+        metric). Identity (and None) otherwise. Every rank runs the same number of scoring passes."""
         cfg = self.cfg
         if not (cfg.kl_in_reward and self.ref_model is not None):
-            return rewards, 0.0
+            return rewards, None
         dev = self.ctx.device
         micro = self._micro_batches(list(range(len(batch))))
         ref = self._score(self.ref_model, batch, micro)
@@ -406,7 +409,7 @@ class GRPOTrainer:
                 mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
                 seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
         shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
-        return shaped, float(seq_kl.sum())
+        return shaped, seq_kl
 
     def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages of this rank's rows, which groups are flat: all rewards equal). Groups are rank-local; with
@@ -495,10 +498,10 @@ class GRPOTrainer:
 
         Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The
-        kl sum starts from the reward's KL (kl_in_reward)."""
+        kl sum starts from the reward's KL of the trained rows (kl_in_reward)."""
         cfg = self.cfg
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
-                    sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0)
+                    sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0, dual_clipped=0.0)
         grad_norms, applied = [], 0
         for it in range(cfg.num_iterations):
             finite = True
@@ -543,6 +546,7 @@ class GRPOTrainer:
             sums["pg"] += float(terms.pg_sum)
             sums["kl"] += float(terms.kl_sum)
         sums["clipped"] += float(terms.clipped_sum)
+        sums["dual_clipped"] += float(terms.dual_clipped_sum) if terms.dual_clipped_sum is not None else 0.0
         sums["ratio"] += float(terms.ratio_sum)
         return finite
 
@@ -624,9 +628,11 @@ class GRPOTrainer:
             "reward": float(rewards.sum()), "reward_sq": float((rewards.double() ** 2).sum()), "rows": len(rewards),
             "correct": float(correct.sum()), "completion_tokens": float(lengths.sum()),
             "flat_groups": float(flat_groups.sum()), "groups": len(flat_groups),
-            "truncated": float((lengths >= self.cfg.max_completion_length).sum()),
+            # cut off = no EOS in the completion (the loss's mask_truncated_completions definition): a completion
+            # that ends with EOS exactly at max_completion_length finished
+            "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
-            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy")}}, dev)
+            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations
@@ -644,7 +650,9 @@ class GRPOTrainer:
             "loss": float(s["loss"]),
             "policy_loss": float(s["pg"] / tok),
             "kl": float(s["kl"] / tok),
-            "clip_fraction": float(s["clipped"] / tok_iters),
+            "clip_fraction": float(s["clipped"] / tok_iters),  # the dual-clip bound counts as clipped too
+            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)} if self.cfg.dual_clip_c is not None
+               else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
