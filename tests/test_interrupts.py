@@ -77,6 +77,20 @@ def test_handlers_are_restored_after_the_loop(handler):
     assert signal.getsignal(signal.SIGINT) == before
 
 
+@pytest.mark.fast
+def test_ctrl_c_before_training_exits_130_with_one_line(handler, monkeypatch):
+    _, _, notices = handler
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        interrupts.abort_before_training(is_main=True)
+        with pytest.raises(SystemExit) as e:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert e.value.code == 130 and notices == [
+        "Ctrl-C outside the training loop: exiting at once with code 130 (no step in progress to checkpoint)"]
+
+
 # ------------------------------------------------------------------------------------------------------- runs
 def _no_tracebacks(text):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
