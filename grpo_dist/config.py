@@ -444,8 +444,9 @@ def _check_choices(obj, prefix: str) -> list[str]:
             continue
         choices = f.metadata.get("choices")
         if choices and v is not None and v not in choices:
+            from grpo_dist.trl_names import trl_value_hint
             bad.append(f"config key '{prefix}{f.name}' = {v!r} is not allowed; choose one of "
-                       f"{', '.join(map(str, choices))}")
+                       f"{', '.join(map(str, choices))}{trl_value_hint(prefix + f.name, v)}")
     return bad
 
 

@@ -5,7 +5,8 @@ epsilon_high, max_completion_length, num_iterations, logging_steps, save_steps, 
 top_k, loss_type, scale_rewards, importance_sampling_level, mask_truncated_completions, warmup_steps, weight_decay,
 max_grad_norm, lr_scheduler_type, seed, output_dir, report_to, save_total_limit, resume_from_checkpoint,
 eval_steps, log_completions, ...) are config keys and are accepted as they are; their values are checked like any
-other (TRL's loss_type values grpo / bnpo / dapo are not this trainer's: see `python -m grpo_dist.config`).
+other (TRL's loss_type values grpo / bnpo / dapo are not this trainer's: the refusal names the value to use,
+TRL_VALUES).
 
 One name is shared with another meaning: generation_batch_size is TRL's completions per generation round over all
 processes, and here the sequences one rank generates at once (None: all of its prompts_per_rank x num_generations).
@@ -141,6 +142,20 @@ TRL_NAMES: dict[str, tuple[str, Explain]] = {
     "lora_target_modules": ("lora.target_modules", _with_value("lora.target_modules")),
     "num_processes": ("(the launcher)", lambda v, d: "the world size is torchrun's --nproc_per_node x nodes"),
 }
+
+# TRL's values of keys that exist here with other values: (key, TRL value) -> the value here
+TRL_VALUES = {
+    ("loss_type", "grpo"): "seq_mean_token_mean (each completion's token mean, averaged over completions)",
+    ("loss_type", "dapo"): "token_mean (over every completion token of the step, all ranks)",
+    ("loss_type", "bnpo"): "token_mean (here always over the whole step, all ranks, not one device's batch)",
+}
+
+
+def trl_value_hint(key: str, value: Any) -> str:
+    """' (TRL's X is Y here)' for a TRL value of a key here, else ''."""
+    here = TRL_VALUES.get((key, value)) if isinstance(value, str) else None
+    return f" (TRL's {key}={value} is {key}={here} here)" if here else ""
+
 
 # TRL's booleans: a bare `--bf16` on the command line means true, as in transformers' HfArgumentParser
 BOOLEAN_NAMES = ("bf16", "fp16", "gradient_checkpointing", "use_vllm", "use_peft", "trust_remote_code",

@@ -91,3 +91,11 @@ def test_check_takes_the_same_flags(capsys):
     assert main(["--check", "none", "--per_device_train_batch_size", "16"]) == 2
     assert "command line: unknown config key 'per_device_train_batch_size': a TRL / transformers name" in \
         capsys.readouterr().err
+
+
+def test_trl_loss_type_values_are_translated_in_the_message():
+    assert _problem("loss_type=grpo").endswith("choose one of token_mean, seq_mean_token_mean, seq_mean_token_sum, "
+                                               "dr_grpo (TRL's loss_type=grpo is loss_type=seq_mean_token_mean "
+                                               "(each completion's token mean, averaged over completions) here)")
+    assert "is loss_type=token_mean (over every completion token" in _problem("loss_type=dapo")
+    assert "TRL's" not in _problem("loss_type=mean")
