@@ -74,6 +74,17 @@ def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None
     return field(default=default, metadata=meta)
 
 
+# k1 = logp - ref as a loss term: its expected gradient is E_pi[grad log pi] = 0 (the score function has mean 0),
+# so beta * k1 adds noise to the update but no pull towards the reference (losses.grpo_loss refuses it too)
+K1_IN_LOSS = ("config key 'kl_estimator' = k1 as a loss term (beta > 0, kl_in_reward false) has zero expected "
+              "gradient (E_pi[grad log pi] = 0): use kl_estimator=k3 (or k2), or kl_in_reward=true, where k1 is the "
+              "usual per-sequence reward penalty")
+
+
+def _k1_problems(cfg) -> list[str]:
+    return [K1_IN_LOSS] if cfg.kl_estimator == "k1" and cfg.beta != 0 and not cfg.kl_in_reward else []
+
+
 # model.tiny: the keys a tiny random model takes, with their defaults (models.build_tiny_model), and its architectures
 TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
@@ -331,6 +342,7 @@ class GRPOConfig:
         if not self.rewards:
             bad.append("config key 'rewards' is empty: give at least one {function: module:function}")
         bad += self._variant_problems()
+        bad += _k1_problems(self)
         from grpo_dist.rewards.specs import reward_spec_problems  # the three kinds of entry, their keys
         bad += reward_spec_problems(self.rewards)
         for s in self.report_to:
@@ -496,8 +508,9 @@ def _check_choices(obj, prefix: str) -> list[str]:
             continue
         choices = f.metadata.get("choices")
         if choices and v is not None and v not in choices:
+            from grpo_dist.trl_names import trl_value_hint
             bad.append(f"config key '{prefix}{f.name}' = {short(v)} is not allowed; choose one of "
-                       f"{', '.join(map(str, choices))}")
+                       f"{', '.join(map(str, choices))}{trl_value_hint(prefix + f.name, v)}")
     return bad
 
 
@@ -562,10 +575,8 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     bad = []
     for k in sorted(set(d) - names):
-        import difflib
-        close = difflib.get_close_matches(k, sorted(names), n=1) if len(str(k)) <= 100 else []  # (slow on MBs)
-        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        bad.append(f"unknown config key '{prefix}{clip(k)}'{hint}; allowed keys here: {', '.join(sorted(names))}")
+        from grpo_dist.trl_names import unknown_key_message  # TRL's names, and "did you mean" for typos only
+        bad.append(unknown_key_message(prefix, k, names, d[k], d))
     kwargs = {}
     for k, v in d.items():
         if k in names:
@@ -670,6 +681,63 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
+def expand_flags(tokens: list[str], keep: tuple[str, ...] = ()) -> list[str]:
+    """Command-line words with argparse-style `--key value` / `--key=value` (TRL's and transformers' scripts; dotted
+    keys too, `-` read as `_`) rewritten as `key=value` overrides; `key=value` words pass as they are. A bare
+    `--key` of a boolean key (or of a TRL boolean such as --bf16) means true, and takes a following true / false.
+    The options in `keep` (with their value, e.g. --config FILE) are left for the caller's argparse."""
+    from grpo_dist.trl_names import BOOLEAN_NAMES
+    out, i, bad = [], 0, []
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        name = tok.split("=", 1)[0]
+        if not tok.startswith("--") or tok == "--" or name in keep:
+            out.append(tok)
+            if name in keep and "=" not in tok and i < len(tokens):
+                out.append(tokens[i])
+                i += 1
+            continue
+        key = name[2:].replace("-", "_")
+        if "=" in tok:
+            out.append(f"{key}={tok.split('=', 1)[1]}")
+            continue
+        parts = key.split(".")
+        boolean = _key_type(parts) is bool or (len(parts) == 1 and key in BOOLEAN_NAMES)
+        nxt = tokens[i] if i < len(tokens) else None
+        if boolean:
+            if nxt is not None and nxt.lower() in ("true", "false"):
+                out.append(f"{key}={nxt.lower()}")
+                i += 1
+            else:
+                out.append(f"{key}=true")
+        elif nxt is None or (nxt.startswith("--") and nxt != "--"):
+            bad.append(f"command line: flag {tok} needs a value: {tok} VALUE, {tok}=VALUE or {key}=VALUE")
+        else:
+            out.append(f"{key}={nxt}")
+            i += 1
+    _raise_all(bad)
+    return out
+
+
+def _key_type(parts: list[str]):
+    """The annotation of a dotted config key (Optional[X] read as X); None for a key that is not a config key."""
+    cls: type = GRPOConfig
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            return None
+        tp = hints[name]
+        if typing.get_origin(tp) in (Union, types.UnionType):
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if i == len(parts) - 1:
+            return tp
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return None
+        cls = tp
+    return None
+
+
 def _is_text_key(parts: list[str]) -> bool:
     """Whether the dotted key names a string field: its value is taken as written ("End with: N." stays text
     instead of becoming a YAML mapping)."""
@@ -688,8 +756,9 @@ def _is_text_key(parts: list[str]) -> bool:
     return False
 
 
-def _blame(message: str, path, overrides: list[str]) -> str:
-    """Prefix an error with where the bad key came from: the command line or the YAML file."""
+def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None) -> str:
+    """Prefix an error with where the bad key came from: the command line, or the YAML file and the key's line
+    (`lines`: dotted key -> line, from yaml_key_lines)."""
     import re
     if message.startswith("override "):  # a malformed override names itself
         return message
@@ -700,7 +769,44 @@ def _blame(message: str, path, overrides: list[str]) -> str:
         top = re.split(r"[.\[]", key)[0]
         if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
             return f"command line: {message}"
+        line = key_line(lines or {}, key)
+        if path and line:
+            return f"{path}:{line}: {message}"
     return f"{path}: {message}" if path else message
+
+
+def yaml_key_lines(text: str) -> dict[str, int]:
+    """Dotted key (items of lists as key[i]) -> the 1-based line where it is written in a YAML text; {} when the
+    text does not compose."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    out: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                out.setdefault(key, k.start_mark.line + 1)
+                walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            base = prefix[:-1]
+            for i, item in enumerate(node.value):
+                out.setdefault(f"{base}[{i}]", item.start_mark.line + 1)
+                walk(item, f"{base}[{i}].")
+    walk(root, "")
+    return out
+
+
+def key_line(lines: dict[str, int], key: str) -> int | None:
+    """The line of `key`, else of its nearest enclosing key that is written in the file."""
+    while key:
+        if key in lines:
+            return lines[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -708,6 +814,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
     validate the typed config."""
     d: dict = dict(base or {})
+    lines: dict[str, int] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -716,7 +823,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: cannot be read as UTF-8 text: {e}") from None
-        d = load_yaml(text, str(p)) or {}
+        d = load_yaml(text, str(p)) or {}  # bounded (depth, alias expansion) before anything else reads it
+        lines = yaml_key_lines(text)
         if not isinstance(d, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
     bad = []
@@ -728,7 +836,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
         bad += e.problems
-    _raise_all([_blame(b, path, overrides or []) for b in bad])  # each names the command line or the file
+    _raise_all([_blame(b, path, overrides or [], lines) for b in bad])  # each names the command line or file:line
     return cfg
 
 
@@ -748,20 +856,31 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
     return lines
 
 
+def _check_data_files(cfg: GRPOConfig, path, overrides: list[str]) -> None:
+    """--check: the data files the config names exist and their first row has the configured fields (no model,
+    no dataset download); each problem names the file and line of the key, or the command line."""
+    from grpo_dist.data.check import data_file_problems
+    lines = yaml_key_lines(Path(path).read_text()) if path else {}
+    _raise_all([_blame(b, path, overrides, lines) for b in data_file_problems(cfg.data)])
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo_dist.config`: every key with its default and help.
-    `python -m grpo_dist.config --check CONFIG [key=value ...]`: the resolved config as YAML (exit 0), or every
-    problem, one per line (exit 2). CONFIG may be `none` to check overrides on the defaults."""
+    `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
+    as YAML (exit 0), or every problem, one per line (exit 2). CONFIG may be `none` to check overrides on the
+    defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("\n".join(describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
-        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value ...]]", file=sys.stderr)
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value | --key value ...]]", file=sys.stderr)
         return 2
     path = None if args[1] == "none" else args[1]
     try:
-        cfg = load_config(path, args[2:])
+        overrides = expand_flags(args[2:])
+        cfg = load_config(path, overrides)
+        _check_data_files(cfg, path, overrides)
         from grpo_dist.preflight import check_context_length  # reads the model's config.json, as the trainer's start
         check_context_length(cfg)
     except ConfigError as e:
@@ -769,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 2
+    from grpo_dist.advice import start_warnings
+    for line in start_warnings(cfg):
+        print(line, file=sys.stderr)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 

@@ -9,6 +9,9 @@ KIND is one of
                 heartbeat has published the phase): a hung rank, for the watchdog
     kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
     kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
+    sigint      rank R sends SIGINT where a terminal's Ctrl-C goes, in the middle of step N (after the backward):
+                to torchrun's process group under torchrun (its workers run in sessions of their own and get the
+                signal from torchrun), else to its own process group; once per item, 0.3 s apart
 
 Without `@rankR` the fault hits every rank. Faults fire only in the first attempt of an elastic job
 (TORCHELASTIC_RESTART_COUNT unset or 0), so a job restarted by `torchrun --max-restarts` runs clean.
@@ -23,7 +26,7 @@ import sys
 import time
 
 ENV = "GRPO_DIST_FAULT"
-KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop")
+KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop", "sigint")
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
 
 
@@ -45,6 +48,9 @@ def inject(kind: str, step: int, rank: int) -> bool:
     when the process is continued (SIGCONT)."""
     for k, s, r in planned():
         if k == kind and s == step and r in (None, rank):
+            if kind == "sigint":
+                _ctrl_c()
+                continue
             if kind.startswith("kill"):
                 print(f"[grpo_dist] {ENV}: rank {rank} kills itself ({kind} at step {step})", file=sys.stderr,
                       flush=True)
@@ -56,3 +62,10 @@ def inject(kind: str, step: int, rank: int) -> bool:
                 os.kill(os.getpid(), signal.SIGSTOP)
             return True
     return False
+
+
+def _ctrl_c() -> None:
+    import time
+    group = os.getpgid(os.getppid()) if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpgrp()
+    os.killpg(group, signal.SIGINT)
+    time.sleep(0.3)  # the handler runs (and torchrun forwards the signal) before another one is sent

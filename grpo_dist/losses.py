@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_dist.config import K1_IN_LOSS  # the one-line refusal of k1 as a loss term
+
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
 
 
@@ -54,8 +56,9 @@ class LossTerms:
     loss: torch.Tensor          # scalar to backpropagate (already divided by the global normaliser)
     pg_sum: torch.Tensor        # sums over this micro-batch's masked tokens, for metrics (detached)
     kl_sum: torch.Tensor
-    clipped_sum: torch.Tensor   # tokens where the clipped branch was taken
+    clipped_sum: torch.Tensor   # tokens whose policy term is clipped: the clipped branch, or the dual-clip bound
     ratio_sum: torch.Tensor
+    dual_clipped_sum: torch.Tensor | None = None  # of those, the tokens held at the dual-clip bound -c * A
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     """
     if spec.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {spec.loss_type!r}")
+    if spec.beta != 0.0 and spec.kl_estimator == "k1":
+        raise ValueError(K1_IN_LOSS)
     epsilon = spec.epsilon
     eps_high = epsilon if spec.epsilon_high is None else spec.epsilon_high
     mask = mask.to(logp.dtype)
@@ -104,8 +109,10 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_tok = -torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(per_tok, dtype=torch.bool)
     if spec.dual_clip_c is not None:  # a huge ratio on a negative advantage must not blow up the update
-        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -spec.dual_clip_c * adv), per_tok)
+        dual = (adv < 0) & (per_tok > -spec.dual_clip_c * adv)
+        per_tok = torch.where(dual, -spec.dual_clip_c * adv, per_tok)
     if is_weights is not None:
         per_tok = per_tok * is_weights.to(per_tok.dtype)
     pg_tok = per_tok
@@ -133,10 +140,12 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         loss = masked.sum() / (normaliser * spec.max_completion_length)
 
     with torch.no_grad():
-        was_clipped = (clipped < unclipped).to(mask.dtype)  # the min picked the clipped branch
+        # the min picked the clipped branch, or the dual-clip bound replaced the term (the two never meet: the
+        # bound acts only where the unclipped branch of a negative advantage won)
+        was_clipped = ((clipped < unclipped) | dual).to(mask.dtype)
         return LossTerms(loss=loss, pg_sum=(pg_tok * mask).sum(), kl_sum=(kl * mask).sum() if kl is not None
                          else torch.zeros((), dtype=logp.dtype), clipped_sum=(was_clipped * mask).sum(),
-                         ratio_sum=(ratio * mask).sum())
+                         ratio_sum=(ratio * mask).sum(), dual_clipped_sum=(dual.to(mask.dtype) * mask).sum())
 
 
 @torch.no_grad()

@@ -73,10 +73,13 @@ def check_output_dir(output_dir: str) -> None:
 
 def check_previous_run(cfg) -> None:
     """A fresh run in a used output_dir would append to the old metrics and a later auto-resume would continue the
-    old run: refuse, unless resuming, or overwrite_output_dir (the old checkpoints and metrics are deleted)."""
+    old run: refuse, unless resuming, or overwrite_output_dir (the old checkpoints and metrics are deleted). What a
+    start that failed before step 1 left is cleared without asking (clear_failed_start)."""
     out = Path(cfg.output_dir)
     found = sorted({q.name for pattern in RUN_OUTPUTS for q in out.glob(pattern)})
     if not found or cfg.resume_from_checkpoint:
+        return
+    if clear_failed_start(out, found):
         return
     if not cfg.overwrite_output_dir:
         shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
@@ -87,6 +90,27 @@ def check_previous_run(cfg) -> None:
         q = out / name
         shutil.rmtree(q) if q.is_dir() else q.unlink()
     print(f"[grpo_dist] overwrite_output_dir: deleted {', '.join(found)} from {out}", flush=True)
+
+
+def clear_failed_start(out: Path, found: list[str]) -> bool:
+    """What a start that failed before its first step left (an empty metrics.jsonl, a tensorboard folder without
+    a step, an empty completions.jsonl; no checkpoint) is not another run: remove it, say so in one line and return
+    True. False when output_dir holds a completed step (a line in metrics.jsonl or completions.jsonl) or a
+    checkpoint, finished or not. A tensorboard folder with no metrics.jsonl beside it counts as a run (its events
+    are not read here)."""
+    if any(name.startswith(("checkpoint-", ".tmp-checkpoint-")) for name in found):
+        return False
+    logs = [out / "metrics.jsonl", out / "completions.jsonl"]
+    if any(q.is_file() and q.read_text(errors="replace").strip() for q in logs):
+        return False
+    if "tensorboard" in found and not logs[0].is_file():
+        return False
+    left = [q for q in [*logs, out / "tensorboard"] if q.exists()]
+    for q in left:
+        shutil.rmtree(q) if q.is_dir() else q.unlink()
+    print(f"[grpo_dist] output_dir {out}: removed what a start that failed before step 1 left "
+          f"({', '.join(q.name for q in left)}: no step, no checkpoint)", flush=True)
+    return True
 
 
 def check_resume_path(value) -> None:

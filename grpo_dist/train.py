@@ -11,8 +11,10 @@ Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit code
       and the newest checkpoint, which predates it; grpo_dist/nonfinite.py)
   4   a collective failed because another rank died, stopped or hung (one line names that rank and its last
       phase; grpo_dist/watchdog.py; resume with resume_from_checkpoint=auto)
-  75  stopped by SIGTERM/SIGUSR1 (or because torchrun died) after writing a checkpoint (requeue and resume with
-      resume_from_checkpoint=auto)
+  75  stopped by SIGTERM/SIGUSR1 (or because torchrun died), or by a first Ctrl-C during training, after writing a
+      checkpoint (requeue and resume with resume_from_checkpoint=auto)
+  130 aborted by a second Ctrl-C (or a Ctrl-C before training started), without a checkpoint
+      (grpo_dist/interrupts.py)
 Plain torchrun exits 1 whenever a worker fails; launch/torchrun.sh and the sbatch scripts pass the workers' code
 through.
 """
@@ -30,17 +32,23 @@ EXIT_CODE_DIR_ENV = "GRPO_DIST_EXIT_CODE_DIR"
 
 
 def parse_args(argv=None):
+    """--config FILE, and overrides as key=value, --key value or --key=value (any config key, dotted too)."""
+    from grpo_dist.config import expand_flags
     p = argparse.ArgumentParser(prog="python -m grpo_dist.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file (keys documented by `python -m grpo_dist.config`)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. beta=0 model.dtype=bfloat16")
-    return p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. beta=0 model.dtype=bfloat16; "
+                   "or argparse style: --learning_rate 1e-6, --model.dtype=bfloat16")
+    words = sys.argv[1:] if argv is None else list(argv)
+    return p.parse_args(expand_flags(words, keep=("--config", "-h", "--help")))
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    from grpo_dist.interrupts import abort_before_training
+    abort_before_training(is_main=os.environ.get("RANK", "0") == "0")  # the training loop handles Ctrl-C itself
     from grpo_dist.config import ConfigError, load_config
     try:
+        args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
@@ -50,6 +58,7 @@ def main(argv=None) -> int:
 
     from grpo_dist import distributed as gdist
     from grpo_dist import preflight, watchdog
+    from grpo_dist.advice import start_warnings
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
     from grpo_dist.runlock import stop_when_parent_dies
@@ -62,6 +71,9 @@ def main(argv=None) -> int:
     code, lock = 1, None
     try:
         lock = preflight.run(cfg, ctx)  # before any model loads; rank 0 holds the output_dir lock from here on
+        if ctx.is_main:
+            for line in start_warnings(cfg):  # settings that run but are probably not what was meant
+                print(f"[grpo_dist] {line}", flush=True)
         trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: any failure leaves config.yaml as it was
         if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import random
-import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +38,7 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
+from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
@@ -252,15 +252,18 @@ class GRPOTrainer:
                       f"{applied}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
-        """Signal handler (SIGTERM / SIGUSR1): finish the current step, checkpoint, exit PREEMPTED_EXIT_CODE."""
+        """Stop request (SIGTERM / SIGUSR1 / the first Ctrl-C, see interrupts.py): finish the current step,
+        checkpoint, exit PREEMPTED_EXIT_CODE."""
         self._stop_requested = True
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> int:
         """Run to max_steps. Returns the process exit code (0, or PREEMPTED_EXIT_CODE after a stop request)."""
+        with GracefulStop(self.request_stop, self.ctx.is_main, lambda: self.step + 1).installed():
+            return self._train_loop()
+
+    def _train_loop(self) -> int:
         cfg = self.cfg
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.request_stop)
         exit_code = 0
         try:
             while self.step < cfg.max_steps:
@@ -410,11 +413,13 @@ class GRPOTrainer:
         watchdog.set_phase("advantage", self.step + 1)
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
-            shaped, reward_kl = self._kl_shaped_rewards(batch, rewards)
+            shaped, seq_kl = self._kl_shaped_rewards(batch, rewards)
         watchdog.set_phase("advantage")
         advantages, flat_groups = self._advantages(shaped)
         self._step_flags = nonfinite.local_flags(rewards, advantages)
         rows = self._select_rows(batch, flat_groups)
+        # the kl metric is a mean over the trained tokens: its numerator sums the KL of the trained rows only
+        reward_kl = float(seq_kl[rows].sum()) if seq_kl is not None and rows else 0.0
         normaliser = self._step_normaliser(batch, rows)
         micro = self._plan_micro_batches(batch, rows)
         with timer("logprobs"):
@@ -429,13 +434,14 @@ class GRPOTrainer:
         return metrics
 
     # advantage
-    def _kl_shaped_rewards(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _kl_shaped_rewards(self, batch: RolloutBatch,
+                           rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kl_in_reward: reward - beta * sum over the completion's tokens of the KL estimate between the policy
-        before this update and the reference (no gradient). Returns (rewards, summed KL of this rank's tokens for
-        the metric). Identity (and 0.0) otherwise. Every rank runs the same number of scoring passes."""
+        before this update and the reference (no gradient). Returns (rewards, each row's summed KL, for the
+        metric). Identity (and None) otherwise. Every rank runs the same number of scoring passes."""
         cfg = self.cfg
         if not (cfg.kl_in_reward and self.ref_model is not None):
-            return rewards, 0.0
+            return rewards, None
         dev = self.ctx.device
         micro = self._micro_batches(list(range(len(batch))))
         ref = self._score(self.ref_model, batch, micro)
@@ -446,7 +452,7 @@ class GRPOTrainer:
                 mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
                 seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
         shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
-        return shaped, float(seq_kl.sum())
+        return shaped, seq_kl
 
     def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages of this rank's rows, which groups are flat: all rewards equal). Groups are rank-local; with
@@ -537,10 +543,10 @@ class GRPOTrainer:
 
         Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The
-        kl sum starts from the reward's KL (kl_in_reward)."""
+        kl sum starts from the reward's KL of the trained rows (kl_in_reward)."""
         cfg = self.cfg
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
-                    sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0)
+                    sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0, dual_clipped=0.0)
         grad_norms, applied, cause = [], 0, None
         for it in range(cfg.num_iterations):
             finite = True
@@ -551,6 +557,7 @@ class GRPOTrainer:
                     self._empty_backward()
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)
+            faults.inject("sigint", self.step + 1, self.ctx.rank)
             seen = self._nonfinite_vote(not finite)
             skip = seen is not None or normaliser == 0
             before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
@@ -620,6 +627,7 @@ class GRPOTrainer:
             sums["pg"] += float(terms.pg_sum)
             sums["kl"] += float(terms.kl_sum)
         sums["clipped"] += float(terms.clipped_sum)
+        sums["dual_clipped"] += float(terms.dual_clipped_sum) if terms.dual_clipped_sum is not None else 0.0
         sums["ratio"] += float(terms.ratio_sum)
         return finite
 
@@ -703,9 +711,11 @@ class GRPOTrainer:
             "reward": float(rewards.sum()), "reward_sq": float((rewards.double() ** 2).sum()), "rows": len(rewards),
             "correct": float(correct.sum()), "completion_tokens": float(lengths.sum()),
             "flat_groups": float(flat_groups.sum()), "groups": len(flat_groups),
-            "truncated": float((lengths >= self.cfg.max_completion_length).sum()),
+            # cut off = no EOS in the completion (the loss's mask_truncated_completions definition): a completion
+            # that ends with EOS exactly at max_completion_length finished
+            "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
-            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy")}}, dev)
+            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations
@@ -723,7 +733,9 @@ class GRPOTrainer:
             "loss": float(s["loss"]),
             "policy_loss": float(s["pg"] / tok),
             "kl": float(s["kl"] / tok),
-            "clip_fraction": float(s["clipped"] / tok_iters),
+            "clip_fraction": float(s["clipped"] / tok_iters),  # the dual-clip bound counts as clipped too
+            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)} if self.cfg.dual_clip_c is not None
+               else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,

@@ -41,9 +41,16 @@ case $CONFIG in
   -*) die "unknown option '$CONFIG' (options go in environment variables; see --help)" ;;
 esac
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG (relative paths are taken from $PWD)"
+value_next=0  # the word after a bare --key is its value (or the next flag); the trainer reads both
 for kv in "$@"; do
+  if [ "$value_next" = 1 ] && [[ $kv != --* ]]; then value_next=0; continue; fi
+  value_next=0
+  if [[ $kv =~ ^--[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*(=|$) ]]; then
+    [[ $kv == *=* ]] || value_next=1
+    continue
+  fi
   [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*= ]] ||
-    die "bad override '$kv': expected key=value, e.g. max_steps=10 or model.dtype=bfloat16"
+    die "bad override '$kv': expected key=value, --key value or --key=value, e.g. max_steps=10 or --model.dtype bfloat16"
 done
 
 # --- python: the one the user activated, or $PYTHON

@@ -40,7 +40,7 @@ def test_bad_keys_and_values_name_the_key(overrides, needle):
 def test_errors_name_the_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("model:\n  name_or_pth: x\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown config key 'model.name_or_pth'"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml:2: unknown config key 'model.name_or_pth'"):
         load_config(f)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
@@ -76,7 +76,7 @@ def test_bad_values_refused_naming_the_key(override, key):
 def test_error_blames_the_command_line_or_the_file(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text("learning_rate: -1.0\nmax_steps: 3\n")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(yml))}: config key 'learning_rate'"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(yml))}:1: config key 'learning_rate'"):
         load_config(yml)
     yml.write_text("max_steps: 3\n")
     with pytest.raises(ConfigError) as err:

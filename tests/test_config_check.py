@@ -37,7 +37,7 @@ def test_one_problem_keeps_the_one_line_message(tmp_path):
     f.write_text("temperature: 0\n")
     with pytest.raises(ConfigError) as e:
         load_config(f)
-    assert str(e.value) == f"{f}: config key 'temperature' must be > 0, got 0.0" and len(e.value.problems) == 1
+    assert str(e.value) == f"{f}:1: config key 'temperature' must be > 0, got 0.0" and len(e.value.problems) == 1
 
 
 def test_check_prints_the_resolved_config(tmp_path, capsys):

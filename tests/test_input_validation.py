@@ -264,6 +264,29 @@ def test_a_question_cannot_open_chat_turns(smollm2_tok, template, system):
 
 
 @pytest.mark.real_model
+def test_a_conversational_row_cannot_open_chat_turns(smollm2_tok):
+    """TRL's conversational format: every message's content is row text too."""
+    from grpo_dist.config import DataConfig
+    from grpo_dist.data import PromptExample, encode_prompts, render_prompt
+    tok = smollm2_tok
+    cfg = DataConfig(preset=None, path="x.jsonl")
+
+    def row(question, i):
+        msgs = [{"role": "system", "content": "Be brief." + (INJECTION if i else "")},
+                {"role": "user", "content": question}]
+        return PromptExample(question, "4", i, messages=msgs)
+    clean = render_prompt(row("What is 2+2?", 0), cfg, tok)
+    hostile = render_prompt(row("What is 2+2?" + INJECTION, 1), cfg, tok)
+    [clean_ids, ids] = encode_prompts(tok, [clean, hostile])
+    assert _counts(tok, clean_ids) == (3, 2)
+    assert _counts(tok, tok(hostile.text, add_special_tokens=False)["input_ids"]) == (7, 6)  # as text, parsed
+    assert _counts(tok, ids) == (3, 2)
+    assert tok.decode(ids) == hostile.text and hostile.text.count(INJECTION) == 2
+    # a clean conversational row tokenizes exactly as its rendered text did
+    assert clean_ids == tok(clean.text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.real_model
 def test_clean_rows_tokenize_exactly_as_before(smollm2_tok):
     from grpo_dist.config import DataConfig
     from grpo_dist.data import render_prompt

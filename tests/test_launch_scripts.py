@@ -65,7 +65,7 @@ def test_config_file_not_found(script):
 
 
 @pytest.mark.parametrize("script", [TORCHRUN, *SBATCH_SCRIPTS])
-@pytest.mark.parametrize("bad", ["max_steps", "=3", "max steps=3", "model..dtype=x", "--max_steps=3"])
+@pytest.mark.parametrize("bad", ["max_steps", "=3", "max steps=3", "model..dtype=x", "--=3", "-max_steps=3"])
 def test_bad_override(script, bad):
     r = run(script, CONFIG, "output_dir=/tmp/x", bad, DRY_RUN="1", **SLURM_ENV)
     assert r.returncode == 2
@@ -142,6 +142,14 @@ def test_torchrun_multinode_command():
 def test_override_values_may_contain_spaces_and_equals():
     cmd = dry_run(TORCHRUN, CONFIG, "run_name=a b=c", NPROC_PER_NODE="1")
     assert cmd[-1] == "run_name=a b=c"
+
+
+@pytest.mark.parametrize("script", [TORCHRUN, *SBATCH_SCRIPTS])
+def test_argparse_style_flags_pass_through(script):
+    flags = ["--learning_rate", "1e-6", "--model.dtype=bfloat16", "--bf16", "--data.system_prompt", "a=b c",
+             "max_steps=2"]
+    cmd = dry_run(script, CONFIG, *flags, NPROC_PER_NODE="1", **SLURM_ENV)
+    assert cmd[-len(flags):] == flags
 
 
 def test_multinode_sbatch_command():

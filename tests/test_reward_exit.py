@@ -74,3 +74,18 @@ def test_os_exit_on_every_completion_stops_the_run_with_exit_2(tmp_path):
     final = [x for x in r.stderr.splitlines() if x.startswith("grpo_dist: rank")]
     assert len(final) == 1 and "reward function 'calls_os_exit' failed on all 8 completions" in final[0], r.stderr
     assert "os._exit(0) called by a reward function" in r.stderr
+
+
+@pytest.mark.fast
+def test_an_abort_during_in_process_grading_still_ends_the_process():
+    """A second Ctrl-C that lands while an in-process reward function runs (os._exit swapped for one that raises)
+    must still end the process with 130, not become a reward error."""
+    code = ("import os, signal, threading, time\n"
+            "from grpo_dist import interrupts\n"
+            "from grpo_dist.rewards import grading\n"
+            "with grading._process_exit_blocked():\n"
+            "    interrupts._abort(True, 'abort')\n"
+            "print('survived')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 130 and "survived" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

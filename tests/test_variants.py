@@ -60,8 +60,8 @@ def test_kl_estimators_match_formula(est):
             assert abs(got[i, t].item() - _kl(logp[i, t].item(), ref[i, t].item(), est)) < 1e-12
 
 
-@pytest.mark.parametrize("case", [dict(level="sequence"), dict(c=3.0), dict(est="k1"), dict(est="k2"),
-                                  dict(level="sequence", c=2.0, est="k2")])
+@pytest.mark.parametrize("case", [dict(level="sequence"), dict(c=3.0), dict(est="k2"),
+                                  dict(level="sequence", c=2.0, est="k2")])  # k1 in the loss: refused
 def test_grpo_loss_variants_match_formula(case):
     logp, old, ref, adv, mask = _inputs()
     norm, beta, lo, hi = 9.0, 0.04, 0.2, 0.28
@@ -127,7 +127,7 @@ TRAINER_VARIANTS = {
     "gspo": ["importance_sampling_level=sequence"],
     "dual_clip": ["dual_clip_c=1.0005", "epsilon=0.3"],
     "entropy_bonus": ["entropy_coef=0.05"],
-    "kl_k1": ["kl_estimator=k1"],
+    "kl_k1_in_reward": ["kl_estimator=k1", "kl_in_reward=true", "beta=0.5"],  # k1 as a loss term is refused
     "kl_k2": ["kl_estimator=k2"],
     "kl_in_reward": ["kl_in_reward=true", "beta=0.5"],
 }

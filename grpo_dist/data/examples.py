@@ -18,3 +18,6 @@ class PromptExample:
     # every other field of the row (the answer field as written included), by name: batch reward functions,
     # reward models and remote scorers get them (grpo_dist.rewards.batch); not part of equality
     columns: dict = field(default_factory=dict, compare=False, repr=False)
+    # TRL's conversational format: the row's prompt is a list of {role, content} messages, rendered with the
+    # tokenizer's chat template (prompt then holds the last user message, for logs and evaluation records)
+    messages: list[dict] | None = field(default=None, compare=False)

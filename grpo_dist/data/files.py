@@ -69,7 +69,10 @@ def load_file(path: str, prompt_field: str, answer_field: str, answer_format: st
         if not isinstance(row, dict):
             raise DataError(f"{ctx}: row is a {type(row).__name__}, not an object with fields "
                             f"'{prompt_field}' and '{answer_field}'")
-        prompt = _field(row, prompt_field, ctx)
+        messages = _messages(row[prompt_field], prompt_field, ctx) if isinstance(row.get(prompt_field), list) \
+            else None
+        prompt = _field(row, prompt_field, ctx) if messages is None else \
+            next(m["content"] for m in reversed(messages) if m["role"] == "user")
         raw_answer = _field(row, answer_field, ctx)
         try:
             answer = extract_reference(raw_answer, answer_format)
@@ -78,7 +81,7 @@ def load_file(path: str, prompt_field: str, answer_field: str, answer_format: st
         if not answer:
             raise DataError(f"{ctx}: field '{answer_field}' gives an empty reference answer "
                             f"(answer_format {answer_format})")
-        out.append(PromptExample(prompt=prompt, answer=answer, index=len(out),
+        out.append(PromptExample(prompt=prompt, answer=answer, index=len(out), messages=messages,
                                  columns={k: v for k, v in row.items() if k != prompt_field}))
         if limit is not None and len(out) >= limit:
             break
@@ -106,6 +109,26 @@ def _field(row: dict, name: str, ctx: str) -> str:
         raise DataError(f"{ctx}: field '{name}' holds a lone UTF-16 surrogate ({s[e.start]!r} at character "
                         f"{e.start + 1}), not text; fix the row (a JSON \\u escape without its pair)") from None
     return s
+
+
+def _messages(value: list, name: str, ctx: str) -> list[dict]:
+    """A conversational prompt (TRL's format): a list of {"role": str, "content": str} with a user message."""
+    if not value:
+        raise DataError(f"{ctx}: field '{name}' is an empty list (a conversational prompt needs messages)")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{ctx}: field '{name}' message {i + 1}"
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
+            raise DataError(f"{ctx}: field '{name}' is a list, but item {i + 1} is not a message with 'role' and "
+                            f"'content' (TRL's conversational format): {_short(m)}")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise DataError(f"{where}: 'role' and 'content' must be strings (text only), got "
+                            f"{type(m['role']).__name__} and {type(m['content']).__name__}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" for m in out):
+        raise DataError(f"{ctx}: field '{name}' has no message with role 'user' "
+                        f"(roles: {', '.join(m['role'] for m in out)})")
+    return out
 
 
 def _short(v: Any) -> str:

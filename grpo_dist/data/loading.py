@@ -26,6 +26,17 @@ def data_config_problems(cfg: DataConfig) -> list[str]:
 
 
 def load_examples(cfg: DataConfig, split: str = "train") -> list[PromptExample]:
+    """The examples of a split (_load_split), refused at load when chat-message rows meet a setting that applies to
+    text prompts only (conversational.conversation_problems)."""
+    from grpo_dist.data.conversational import conversation_problems
+    examples = _load_split(cfg, split)
+    bad = conversation_problems(examples, cfg)
+    if bad:
+        raise DataError(bad[0])
+    return examples
+
+
+def _load_split(cfg: DataConfig, split: str = "train") -> list[PromptExample]:
     """Load the `train` split (data.path or the preset's file, first data.limit rows) or the `eval` split
     (data.eval_path, else the preset's held-out set, else []). data.eval_limit is not applied here: all eval rows are
     returned and the evaluator picks its subset."""

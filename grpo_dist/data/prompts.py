@@ -46,6 +46,9 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> Rendere
     tokenizer's chat template renders it with the generation prompt appended. Either way the problem text stays
     text (RenderedPrompt); a prompt whose problem spells no special token tokenizes exactly like its text.
     """
+    if example.messages is not None:  # TRL's conversational format: the row's own messages
+        from grpo_dist.data.conversational import render_messages
+        return render_messages(example, cfg, tokenizer)
     bad = template_problems(cfg.prompt_template)
     if bad:
         raise DataError(bad[0])
@@ -58,23 +61,29 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> Rendere
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("config key 'data.use_chat_template' is true but the tokenizer has no chat_template; set "
                         "data.use_chat_template=false or use a tokenizer with one")
-    # The chat template is a program over the message text (some trim it, some split it): it renders the problem
-    # with every special-token string replaced by a numbered marker of private-use characters, and the marked
-    # spots become the literal pieces. A problem without such strings renders exactly as itself.
-    pattern = _special_pattern(tokenizer)
-    spelled: list[str] = []
-    problem = example.prompt
-    markers = None
-    if pattern is not None and pattern.search(problem):
-        markers = _markers(example.prompt, cfg, tokenizer)
 
-        def mark(m: re.Match) -> str:
-            spelled.append(m.group(0))
-            return f"{markers[0]}{len(spelled) - 1}{markers[1]}"
-        problem = pattern.sub(mark, problem)
-    text = _apply_chat_template(tokenizer, cfg, cfg.prompt_template.replace("{prompt}", problem))
-    if markers is None:
-        return RenderedPrompt(((text, False),))
+    def messages(rows: list[str]) -> list[dict]:
+        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        return system + [{"role": "user", "content": cfg.prompt_template.replace("{prompt}", rows[0])}]
+    return chat_prompt(tokenizer, messages, [example.prompt], [cfg.prompt_template, cfg.system_prompt or ""],
+                       example.index)
+
+
+def chat_prompt(tokenizer, messages, rows: list[str], config_texts: list[str], index: int) -> RenderedPrompt:
+    """The chat template rendered over messages(rows) (with the generation prompt), the row texts `rows` kept as
+    text. The chat template is a program over the message text (some trim it, some split it): it renders the rows
+    with every special-token string replaced by a numbered marker of private-use characters, and the marked spots
+    become the literal pieces. Rows without such strings render exactly as themselves."""
+    pattern = _special_pattern(tokenizer)
+    if pattern is None or not any(pattern.search(r) for r in rows):
+        return RenderedPrompt(((_chat_text(tokenizer, messages(rows)), False),))
+    markers = _markers(rows + config_texts + [str(getattr(tokenizer, "chat_template", ""))])
+    spelled: list[str] = []
+
+    def mark(m: re.Match) -> str:
+        spelled.append(m.group(0))
+        return f"{markers[0]}{len(spelled) - 1}{markers[1]}"
+    text = _chat_text(tokenizer, messages([pattern.sub(mark, r) for r in rows]))
     pieces, pos = [], 0
     for m in re.finditer(f"{markers[0]}(\\d+){markers[1]}", text):
         if int(m.group(1)) >= len(spelled):
@@ -84,17 +93,13 @@ def render_prompt(example: PromptExample, cfg: DataConfig, tokenizer) -> Rendere
     pieces.append((text[pos:], False))
     rendered = RenderedPrompt(tuple((t, lit) for t, lit in pieces if t))
     if markers[0] in rendered.text or markers[1] in rendered.text:  # the template cut or rewrote a marker
-        raise DataError(f"the problem of example {example.index} (0-based, in its split) spells a special token "
+        raise DataError(f"the problem of example {index} (0-based, in its split) spells a special token "
                         f"({short(spelled[0])}) and the tokenizer's chat template alters the row's text, so it "
                         f"cannot be kept as text: remove the special-token strings from the row")
     return rendered
 
 
-def _apply_chat_template(tokenizer, cfg: DataConfig, user: str) -> str:
-    messages = []
-    if cfg.system_prompt:
-        messages.append({"role": "system", "content": cfg.system_prompt})
-    messages.append({"role": "user", "content": user})
+def _chat_text(tokenizer, messages: list[dict]) -> str:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not isinstance(text, str):  # some versions wrap single conversations
         text = text[0] if isinstance(text, list) and text and isinstance(text[0], str) else str(text)
@@ -106,8 +111,7 @@ _MARKER_PAIRS = [("\ue000", "\ue001"), ("\uf8fe", "\uf8ff"), ("\U000f0000", "\U0
                  ("\U0010fffc", "\U0010fffd")]
 
 
-def _markers(problem: str, cfg: DataConfig, tokenizer) -> tuple[str, str]:
-    texts = (problem, cfg.prompt_template, cfg.system_prompt or "", str(getattr(tokenizer, "chat_template", "")))
+def _markers(texts: list[str]) -> tuple[str, str]:
     for pair in _MARKER_PAIRS:
         if not any(c in t for c in pair for t in texts):
             return pair

@@ -190,6 +190,7 @@ def worker_preamble():  # pragma: no cover - runs in the child process
 
     _start_group_reaper()
     threading.Thread(target=watchdog, daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches this child too: the trainer decides
     if os.getppid() != parent:
         os._exit(0)
     proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
