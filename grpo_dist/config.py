@@ -741,19 +741,7 @@ def _key_type(parts: list[str]):
 def _is_text_key(parts: list[str]) -> bool:
     """Whether the dotted key names a string field: its value is taken as written ("End with: N." stays text
     instead of becoming a YAML mapping)."""
-    cls: type = GRPOConfig
-    for i, name in enumerate(parts):
-        hints = typing.get_type_hints(cls)
-        if name not in hints:
-            return False
-        tp = hints[name]
-        if typing.get_origin(tp) in (Union, types.UnionType):
-            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            cls = tp
-            continue
-        return tp is str and i == len(parts) - 1
-    return False
+    return _key_type(parts) is str
 
 
 def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None) -> str:

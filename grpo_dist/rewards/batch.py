@@ -173,31 +173,22 @@ def _call_batch(fn, arguments: dict, n: int) -> tuple[list, list]:
 
 # --------------------------------------------------------------------------------------------------- worker side
 def _batch_worker_main() -> None:  # pragma: no cover - runs in the child process
-    from grpo_dist.rewards.grading import worker_preamble
+    from grpo_dist.rewards.grading import resolve_reward_function, serve, worker_preamble
     proto_in, proto_out = worker_preamble()  # dies with the trainer; its process group dies with it
-    from grpo_dist.rewards.grading import resolve_reward_function
     funcs: dict = {}
-    proto_out.write(b'{"ready": 1}\n')
-    buf = b""
-    while True:
-        chunk = proto_in.read(1 << 20)
-        if not chunk:
-            os._exit(0)
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            req = json.loads(line)  # {"spec": "module:fn", "n": N, "arguments": {...}}
-            n = req["n"]
-            try:
-                fn = funcs.get(req["spec"]) or funcs.setdefault(req["spec"], resolve_reward_function(req["spec"]))
-                scores, errors = _call_batch(fn, req["arguments"], n)
-            except Exception as e:  # noqa: BLE001 - resolving the spec failed
-                scores, errors = [0.0] * n, [f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]] * n
-            if errors and all(x == errors[0] for x in errors) and errors[0]:
-                out = {"v": scores, "all": errors[0]}  # one copy of a whole-call error
-            else:
-                out = {"v": scores, "e": errors}
-            proto_out.write(json.dumps(out).encode() + b"\n")
+
+    def answer(req: dict):  # {"spec": "module:fn", "n": N, "arguments": {...}}: one line per call
+        n = req["n"]
+        try:
+            fn = funcs.get(req["spec"]) or funcs.setdefault(req["spec"], resolve_reward_function(req["spec"]))
+            scores, errors = _call_batch(fn, req["arguments"], n)
+        except Exception as e:  # noqa: BLE001 - resolving the spec failed
+            scores, errors = [0.0] * n, [f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]] * n
+        if errors and all(x == errors[0] for x in errors) and errors[0]:
+            yield {"v": scores, "all": errors[0]}  # one copy of a whole-call error
+        else:
+            yield {"v": scores, "e": errors}
+    serve(proto_in, proto_out, answer)
 
 
 # --------------------------------------------------------------------------------------------------- parent side

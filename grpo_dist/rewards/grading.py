@@ -146,8 +146,25 @@ def _process_exit_blocked():
 # --------------------------------------------------------------------------- worker side
 def _worker_main() -> None:  # pragma: no cover - runs in the child process
     proto_in, proto_out = worker_preamble()
-
     funcs: dict = {}
+
+    def answer(req: dict):  # {"items": [[spec, completion, reference], ...]}: one line per item, at once
+        for spec, completion, reference in req["items"]:
+            try:
+                fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
+                score, err = _call_safely(fn, completion, reference)
+            except Exception as e:  # noqa: BLE001 - resolving the spec failed
+                score, err = 0.0, f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
+            out: dict[str, float | str] = {"v": score}
+            if err:
+                out["e"] = err
+            yield out  # written at once: the parent's clock restarts at each answer
+    serve(proto_in, proto_out, answer)
+
+
+def serve(proto_in, proto_out, answer) -> None:  # pragma: no cover - runs in the child process
+    """A worker's protocol loop: say ready, then for each request line (JSON) write every dict that
+    answer(request) yields as a line; exit when the parent closes the pipe."""
     proto_out.write(b'{"ready": 1}\n')
     buf = b""
     while True:
@@ -157,17 +174,8 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            req = json.loads(line)  # {"items": [[spec, completion, reference], ...]}
-            for spec, completion, reference in req["items"]:
-                try:
-                    fn = funcs.get(spec) or funcs.setdefault(spec, resolve_reward_function(spec))
-                    score, err = _call_safely(fn, completion, reference)
-                except Exception as e:  # noqa: BLE001 - resolving the spec failed
-                    score, err = 0.0, f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
-                out: dict[str, float | str] = {"v": score}
-                if err:
-                    out["e"] = err
-                proto_out.write(json.dumps(out).encode() + b"\n")  # at once: the parent's clock
+            for out in answer(json.loads(line)):
+                proto_out.write(json.dumps(out).encode() + b"\n")
 
 
 def worker_preamble():  # pragma: no cover - runs in the child process
