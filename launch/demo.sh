@@ -48,8 +48,8 @@ then
   echo "reusing $VENV (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
 else
   "$PY" -m pip install -q --upgrade pip
-  # Pinned first: an unpinned torch would pull a multi-GB CUDA build (pip's default on Linux).
-  "$PY" -m pip install -q torch==2.13.0
+  # Pinned first, CPU build: an unpinned torch would pull a multi-GB CUDA build (pip's default on Linux).
+  bash launch/install_torch_cpu.sh "$PY"
   "$PY" -m pip install -q -e ".[plot,logging]"
 fi
 if [ $REAL = 1 ] && ! "$PY" -c "from grpo_dist.tools import smollm2; assert smollm2.available()" 2>/dev/null; then

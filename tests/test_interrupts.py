@@ -36,7 +36,7 @@ def handler(monkeypatch):
 
     def fake_exit(code):
         raise SystemExit(code)
-    monkeypatch.setattr(interrupts.os, "_exit", fake_exit)
+    monkeypatch.setattr(interrupts, "_REAL_EXIT", fake_exit)  # the abort's exit (the real os._exit, see interrupts)
     return interrupts.GracefulStop(lambda: calls.append("stop"), True, lambda: 22), calls, notices
 
 
