@@ -249,7 +249,12 @@ def _rank() -> int:
 
 
 def report(e: BaseException) -> int:
-    """Print describe_failure's line (on one rank) and return the exit code."""
+    """Print describe_failure's line (on one rank) and return the exit code. The launcher's SIGTERM (torchrun
+    stops the survivors once a worker died) is ignored meanwhile: the training loop's handlers are gone, and the
+    default action would end this rank before it has said which peer failed or written its exit code."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     line, code = describe_failure(e)
     if line:
         print(line, file=sys.stderr, flush=True)

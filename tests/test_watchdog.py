@@ -71,6 +71,7 @@ def test_stopped_rank_is_named_with_its_phase(tmp_path):
 def test_dead_rank_is_named(tmp_path):
     proc, codes = _start(tmp_path, GRPO_DIST_FAULT="kill@step2@rank1")
     out, err = proc.communicate(timeout=180)
+    assert (codes / "rank0").is_file(), err[-3000:]
     assert (codes / "rank0").read_text().strip() == "4", err[-3000:]
     lines = _lines(err)
     assert len(lines) == 1, err[-3000:]
