@@ -138,6 +138,7 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self._stop_requested = False
         self._maybe_resume()
+        self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
         self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
@@ -267,7 +268,7 @@ class GRPOTrainer:
         exit_code = 0
         try:
             while self.step < cfg.max_steps:
-                metrics = self.train_step()
+                metrics, saved = self.train_step(), None
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
                     watchdog.set_phase("eval")
                     metrics.update(self.evaluate())
@@ -277,7 +278,10 @@ class GRPOTrainer:
                 if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
                         (self.step == cfg.max_steps and cfg.save_final):
                     watchdog.set_phase("save")
-                    self.save()
+                    saved = self.save()
+                if cfg.save_best and cfg.save_best in metrics:
+                    watchdog.set_phase("save")
+                    self._keep_best(metrics[cfg.save_best], saved)
                 if stop:
                     exit_code = PREEMPTED_EXIT_CODE
                     if self.ctx.is_main:
@@ -803,9 +807,43 @@ class GRPOTrainer:
                 "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
 
-    def save(self) -> Path:
+    def save(self, **where) -> Path:
+        """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
                                     base_name=self.cfg.model.name_or_path,
-                                    check_hashes=self.cfg.verify_checkpoint_hashes)
+                                    check_hashes=self.cfg.verify_checkpoint_hashes, **where)
+
+    def _load_best(self) -> dict | None:
+        """The best so far that output_dir/best/ holds (rank 0 reads and verifies it; every rank gets it)."""
+        record, error = None, None
+        if self.ctx.is_main:
+            try:
+                record = ckpt.read_best(self.cfg.output_dir, str(self.cfg.save_best), self.cfg.save_best_mode,
+                                        self.cfg.verify_checkpoint_hashes)
+            except (ckpt.CheckpointError, OSError) as e:  # a damaged best/ that cannot be moved aside
+                error = str(e)
+            if record is not None:
+                print(f"[grpo_dist] save_best: {Path(self.cfg.output_dir) / ckpt.BEST_DIR} holds {record['metric']} "
+                      f"= {record['value']:.4g} (step {record['step']}); only a better one replaces it", flush=True)
+        record, error = gdist.broadcast_object((record, error))
+        if error:
+            raise ckpt.CheckpointError(error)
+        return record
+
+    def _keep_best(self, value: float, saved: Path | None) -> None:
+        """Collective: a new best value (the all-reduced metric: every rank decides alike) becomes output_dir/best/,
+        hard links of the checkpoint just written, else a save of its own."""
+        if not ckpt.improves(value, self.best, self.cfg.save_best_mode):
+            return
+        record = {"metric": self.cfg.save_best, "mode": self.cfg.save_best_mode, "value": float(value),
+                  "step": self.step}
+        if saved is not None:
+            path = ckpt.link_best(saved, self.cfg.output_dir, record, self.ctx)
+        else:
+            path = self.save(name=ckpt.BEST_DIR, extra_files={ckpt.BEST_FILE: ckpt.best_json(record)})
+        self.best = record
+        if self.ctx.is_main:
+            print(f"[grpo_dist] save_best: {record['metric']} = {value:.4g} at step {self.step}, the best so far: "
+                  f"{path}", flush=True)
