@@ -104,8 +104,7 @@ class GRPOTrainer:
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
-        policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
-        policy = policy if meta else policy.to(ctx.device)
+        policy = self._load_model("model", meta)
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
         # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
         self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
@@ -127,7 +126,7 @@ class GRPOTrainer:
         if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
             self.ref_model = lora.Reference(self.engine.module)
         elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
-            ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
+            ref = self._load_model("reference model", meta, to_device=False)
             if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
                 cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
@@ -166,6 +165,20 @@ class GRPOTrainer:
         replica.requires_grad_(False)
         prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         return replica
+
+    def _load_model(self, what: str, meta: bool, to_device: bool = True) -> torch.nn.Module:
+        """load_model, on this rank's device unless meta or not to_device; rank 0 says what it loads and how long it
+        took (a big model takes minutes)."""
+        m = self.cfg.model
+        name = m.name_or_path or f"tiny {(m.tiny or {}).get('architecture', 'qwen2')} (random weights)"
+        if self.ctx.is_main:
+            print(f"[grpo_dist] loading {what} {name} ...", flush=True)
+        t0 = time.perf_counter()
+        model = load_model(m, self.tokenizer, on_meta=meta)
+        model = model.to(self.ctx.device) if to_device and not meta else model
+        if self.ctx.is_main:
+            print(f"[grpo_dist] loading {what} {name} ... done in {time.perf_counter() - t0:.1f} s", flush=True)
+        return model
 
     def _untie_replica(self, names: list[str]) -> None:
         """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
@@ -796,10 +809,14 @@ class GRPOTrainer:
         self.sync_rollout_weights()
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console
+        t0 = time.perf_counter()
         acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
-                                sample_out=sample if self.ctx.is_main else None)
+                                sample_out=sample if self.ctx.is_main else None, say=self.logger.write,
+                                label=f"eval at step {self.step}")
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
+        self.logger.write(f"[grpo_dist] eval at step {self.step}: eval_accuracy {acc:.4f} on {len(examples)} "
+                          f"problems in {time.perf_counter() - t0:.1f} s")
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:

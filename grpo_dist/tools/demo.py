@@ -156,8 +156,9 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=s.sft_learning_rate, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1 - i / s.sft_steps))
     bar = _progress(s.sft_steps, "warm start")
+    every = max(1, s.sft_steps // 10)  # without a terminal (a log): a line per tenth of the steps instead
     model.train()
-    for _ in range(s.sft_steps):
+    for i in range(1, s.sft_steps + 1):
         ids, mask, labels = _sft_batch(tokenizer, train, rng, s)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -168,6 +169,8 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        elif i % every == 0 or i == s.sft_steps:
+            log(f"[demo] warm start: step {i}/{s.sft_steps}, loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)")
     if bar is not None:
         bar.close()
     acc_train = greedy_accuracy(model, tokenizer, train)
