@@ -147,3 +147,27 @@ def test_a_metric_the_run_never_logs_is_refused_at_start(tmp_path):
     from grpo_dist.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="'save_best' = 'accuracy' is not a metric the evaluation logs"):
         load_config("configs/smoke_cpu.yaml", ["save_best=accuracy", "eval_steps=1"])
+
+
+def test_demo_configs_keep_the_best_and_the_summary_reports_last_and_best(tmp_path, capsys):
+    from grpo_dist.config import load_config
+    from grpo_dist.tools.demo import write_summary
+    for name in ("demo_cpu.yaml", "demo_real_cpu.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.save_best == "eval_accuracy" and cfg.eval_steps > 0, name
+    for script in ("launch/demo.sh", "launch/demo_real.sh"):  # the final evaluation covers best/ too
+        text = (ROOT / script).read_text()
+        assert '"$OUT/best"' in text and "--best-eval" in text and '"$OUT"/best' in text, script
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text(json.dumps({"metric": "eval_accuracy", "mode": "max",
+                                                             "value": 0.8, "step": 100}))
+    evals = {"base": 0.4, "final": 0.7, "best": 0.8}
+    for when, acc in evals.items():
+        model = str(tmp_path / ("best" if when == "best" else "checkpoint-150"))
+        (tmp_path / f"{when}.json").write_text(json.dumps({"accuracy": acc, "num_examples": 80, "model": model,
+                                                           "truncated_fraction": 0.0}))
+    summary = write_summary(tmp_path / "base.json", tmp_path / "final.json", tmp_path / "s.json", 1.0,
+                            best_eval=tmp_path / "best.json")
+    assert (summary["final_accuracy"], summary["best_accuracy"], summary["best_step"]) == (0.7, 0.8, 100)
+    assert json.loads((tmp_path / "s.json").read_text())["best_step"] == 100
+    assert "best checkpoint (step 100" in capsys.readouterr().out
