@@ -171,3 +171,58 @@ def test_demo_configs_keep_the_best_and_the_summary_reports_last_and_best(tmp_pa
     assert (summary["final_accuracy"], summary["best_accuracy"], summary["best_step"]) == (0.7, 0.8, 100)
     assert json.loads((tmp_path / "s.json").read_text())["best_step"] == 100
     assert "best checkpoint (step 100" in capsys.readouterr().out
+
+
+def test_a_lora_run_keeps_the_adapter_as_best(tmp_path):
+    from grpo_dist import checkpoint as ckpt
+    out = tmp_path / "run"
+    weights: dict = {}
+    run([f"output_dir={out}", "save_steps=0", "lora.r=4"], weights)  # best at step 2: a save of its own
+    assert best_record(out)["step"] == 2
+    assert ckpt.verify_checkpoint(out / "best", check_hashes=True) is None
+    names = {p.name for p in (out / "best").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= names and "model.safetensors" not in names
+
+
+def test_a_damaged_best_is_moved_aside_and_a_fresh_run_does_not_take_its_folder(linked, tmp_path):
+    import shutil
+
+    from grpo_dist import checkpoint as ckpt
+    from grpo_dist.config import ConfigError, load_config
+    from grpo_dist.preflight import check_previous_run
+    out = tmp_path / "run"
+    shutil.copytree(linked[0], out)
+    with open(out / "best" / "model.safetensors", "r+b") as f:  # same size: only the checksum can tell
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert ckpt.read_best(out, "eval_accuracy", "max", check_hashes=True) is None
+    assert not (out / "best").exists() and (out / "damaged" / "best" / "best.json").is_file()
+    only_best = tmp_path / "only_best"
+    only_best.mkdir()
+    shutil.copytree(linked[0] / "best", only_best / "best")
+    with pytest.raises(ConfigError, match="already holds a run"):  # best/ is a run's output like checkpoint-N
+        check_previous_run(load_config(None, BASE + [f"output_dir={only_best}"]))
+
+
+def _two_ranks(rank, world, out):
+    weights: dict = {}
+    tr = run([f"output_dir={out}", "save_steps=2", "max_steps=3", "prompts_per_rank=1", "distributed.timeout_s=60"],
+             weights)
+    return tr.best, weights[2] if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_best(tmp_path):
+    """2 gloo ranks: step 1 is best by a save of its own, step 2 (a save_steps step) by links; both verify."""
+    from dist_utils import run_ranks
+
+    from grpo_dist import checkpoint as ckpt
+    out = tmp_path / "run"
+    results = run_ranks(_two_ranks, 2, tmp_path, out)
+    assert results[0][0] == results[1][0] == {"metric": "eval_accuracy", "mode": "max", "value": 0.75, "step": 2}
+    assert ckpt.verify_checkpoint(out / "best", check_hashes=True) is None
+    assert {"rng_state_0.pt", "rng_state_1.pt"} <= {p.name for p in (out / "best").iterdir()}
+    best = load_file(str(out / "best" / "model.safetensors"))
+    tensors_equal(best, {k: results[0][1][k] for k in best}, "best vs step 2")
