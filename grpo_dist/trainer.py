@@ -861,6 +861,5 @@ class GRPOTrainer:
         else:
             path = self.save(name=ckpt.BEST_DIR, extra_files={ckpt.BEST_FILE: ckpt.best_json(record)})
         self.best = record
-        if self.ctx.is_main:
-            print(f"[grpo_dist] save_best: {record['metric']} = {value:.4g} at step {self.step}, the best so far: "
-                  f"{path}", flush=True)
+        self.logger.write(f"[grpo_dist] save_best: {record['metric']} = {value:.4g} at step {self.step}, the best so "
+                          f"far: {path}")  # rank 0 (through the progress bar when there is one)
