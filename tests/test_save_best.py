@@ -42,7 +42,8 @@ def run(overrides, weights=None):
         out = real()
         assert 0.0 <= out["eval_accuracy"] <= 1.0
         if weights is not None:
-            weights[tr.step] = {k: v.clone() for k, v in tr.engine.gather_full_state()[0].items()}
+            model_sd = tr.engine.gather_full_state()[0]  # collective; the state on rank 0 only
+            weights[tr.step] = {k: v.clone() for k, v in model_sd.items()} if model_sd is not None else None
         return {"eval_accuracy": SCRIPT[tr.step]}
 
     tr.evaluate = scripted
