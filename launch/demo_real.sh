@@ -9,7 +9,7 @@ echo "$BASE"
 
 # A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
 if [ -d "$OUT" ]; then
-  rm -rf "$OUT"/checkpoint-* "$OUT"/.tmp-checkpoint-* "$OUT"/tensorboard "$OUT"/plots
+  rm -rf "$OUT"/checkpoint-* "$OUT"/.tmp-checkpoint-* "$OUT"/best "$OUT"/.old-best "$OUT"/tensorboard "$OUT"/plots
   rm -f "$OUT"/metrics.jsonl "$OUT"/eval_*.json "$OUT"/eval_*_completions.jsonl "$OUT"/demo_summary.json \
     "$OUT"/sample_completions.jsonl
 fi
@@ -27,12 +27,17 @@ step "4/5 GRPO on 2 processes (torchrun --nproc_per_node 2)"
 "$VENV/bin/torchrun" --nproc_per_node 2 -m grpo_dist.train --config "$CONFIG" \
   output_dir="$OUT" model.name_or_path="$BASE" "$@"
 
-step "5/5 evaluate the trained model, plot"
+step "5/5 evaluate the trained model (the last checkpoint, and the best one), plot"
 evaluate "$OUT" final "$@"
+BEST_ARGS=()
+if [ -d "$OUT/best" ]; then  # save_best: the checkpoint of the best eval_accuracy during training
+  evaluate "$OUT/best" best "$@"
+  BEST_ARGS=(--best-eval "$OUT/eval_best.json")
+fi
 "$PY" -m grpo_dist.tools.plot "$OUT"
 WALL=$("$PY" -c "import time; print(round(time.time() - $START, 1))")
 "$PY" -m grpo_dist.tools.demo summary --base-eval "$OUT/eval_base.json" --final-eval "$OUT/eval_final.json" \
   --out "$OUT/demo_summary.json" --wall-time-s "$WALL" --title "Held-out arithmetic questions (SmolLM2-135M-Instruct)" \
   --base-completions "$OUT/eval_base_completions.jsonl" --final-completions "$OUT/eval_final_completions.jsonl" \
-  --pairs-out "$OUT/sample_completions.jsonl"
+  --pairs-out "$OUT/sample_completions.jsonl" ${BEST_ARGS[@]+"${BEST_ARGS[@]}"}
 echo "TensorBoard: $VENV/bin/tensorboard --logdir $OUT/tensorboard   plots: $OUT/plots/training_curves.png"

@@ -59,20 +59,21 @@ def test_real_demo_smoke(tmp_path, smollm2_dir):
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent), DEMO_SAMPLES="2",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                GRPO_DIST_CACHE=str(smollm2_dir.parent))
-    cmd = ["bash", "launch/demo.sh", "--real", str(out), "max_steps=2", "eval_steps=0",
-           "data.arithmetic.num_examples=24"]  # 24 training problems, 6 held out
+    cmd = ["bash", "launch/demo.sh", "--real", str(out), "max_steps=2", "eval_steps=2",
+           "data.arithmetic.num_examples=24"]  # 24 training problems, 6 held out; one evaluation: best/ = step 2
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     summary = json.loads((out / "demo_summary.json").read_text())
     for key in ("base_accuracy", "final_accuracy", "wall_time_s", "base_pass@1", "final_pass@2",
-                "final_truncated_fraction"):
+                "final_truncated_fraction", "best_accuracy"):
         assert key in summary, key
+    assert summary["best_step"] == 2 and summary["best_accuracy"] == summary["final_accuracy"]  # the same weights
     assert summary["num_eval_problems"] == 6
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
     assert {"reward/evaluated_math_reward", "reward/final_answer_only"} <= set(rows[-1])  # each reward on its own
-    for when in ("base", "final"):
+    for when in ("base", "final", "best"):
         recs = [json.loads(line) for line in (out / f"eval_{when}_completions.jsonl").read_text().splitlines()]
         assert len(recs) == 6
         for r in recs:  # "correct" is the verifier's verdict (the config's first reward), not the format reward's

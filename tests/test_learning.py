@@ -77,7 +77,7 @@ def run_learning(out: Path, seed: int = 0, reward: str = "grpo_dist.rewards:numb
                PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_dist.train",
            "--config", "configs/demo_cpu.yaml", f"output_dir={out}", f"model.name_or_path={base}",
-           f"max_steps={steps}", "eval_steps=0", f"seed={seed}", "progress_bar=false",
+           f"max_steps={steps}", "eval_steps=0", "save_best=null", f"seed={seed}", "progress_bar=false",
            "report_to=[jsonl]", f"rewards=[{{function: '{reward}', weight: 1.0}}]"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 
     python -m grpo_dist.tools.demo build-base --out outputs/demo_base        # build (or reuse) the base model
     python -m grpo_dist.tools.demo summary --base-eval A.json --final-eval B.json --out OUT/demo_summary.json \\
-        --wall-time-s T
+        --wall-time-s T [--best-eval C.json]
 
 `bash launch/demo.sh OUTPUT_DIR` runs the whole demo (venv, base model, evaluation before and after GRPO, plots).
 `bash launch/demo.sh --real OUTPUT_DIR` runs it on the real SmolLM2-135M-Instruct (configs/demo_real_cpu.yaml).
@@ -156,8 +156,9 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=s.sft_learning_rate, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1 - i / s.sft_steps))
     bar = _progress(s.sft_steps, "warm start")
+    every = max(1, s.sft_steps // 10)  # without a terminal (a log): a line per tenth of the steps instead
     model.train()
-    for _ in range(s.sft_steps):
+    for i in range(1, s.sft_steps + 1):
         ids, mask, labels = _sft_batch(tokenizer, train, rng, s)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -168,6 +169,8 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        elif i % every == 0 or i == s.sft_steps:
+            log(f"[demo] warm start: step {i}/{s.sft_steps}, loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)")
     if bar is not None:
         bar.close()
     acc_train = greedy_accuracy(model, tokenizer, train)
@@ -185,8 +188,10 @@ def _build(out: Path, s: BaseSettings, meta_path: Path, log) -> Path:
 
 
 def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path, wall_time_s: float,
-                  extra: dict | None = None, title: str = "Held-out addition problems never seen in training") -> dict:
-    """OUTPUT_DIR/demo_summary.json from the two evaluation results, and a before/after table on stdout."""
+                  extra: dict | None = None, title: str = "Held-out addition problems never seen in training",
+                  best_eval: str | Path | None = None) -> dict:
+    """OUTPUT_DIR/demo_summary.json from the evaluation results (before; after: the last checkpoint, and with
+    best_eval the best one, output_dir/best/ of save_best: best_accuracy, best_step), and a table on stdout."""
     base, final = json.loads(Path(base_eval).read_text()), json.loads(Path(final_eval).read_text())
     summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"], "wall_time_s": wall_time_s,
                "num_eval_problems": final["num_examples"]}
@@ -196,6 +201,16 @@ def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path
     if "truncated_fraction" in base and "truncated_fraction" in final:
         summary["base_truncated_fraction"] = base["truncated_fraction"]
         summary["final_truncated_fraction"] = final["truncated_fraction"]
+    best_line = ""
+    if best_eval is not None:
+        best = json.loads(Path(best_eval).read_text())
+        record = Path(best["model"]) / "best.json"  # which step best/ holds (checkpoint.BEST_FILE)
+        summary["best_accuracy"] = best["accuracy"]
+        summary["best_step"] = json.loads(record.read_text())["step"] if record.is_file() else None
+        if "truncated_fraction" in best:
+            summary["best_truncated_fraction"] = best["truncated_fraction"]
+        best_line = f"  best checkpoint (step {summary['best_step']}, {best['model']}): greedy accuracy " \
+                    f"{best['accuracy']:.1%}; the last: {final['accuracy']:.1%}"
     summary.update(extra or {})
     Path(out).write_text(json.dumps(summary, indent=1) + "\n")
     rows = [("greedy accuracy (pass@1)", "base_accuracy", "final_accuracy")]
@@ -208,6 +223,8 @@ def write_summary(base_eval: str | Path, final_eval: str | Path, out: str | Path
     print(f"  {'':28s} {'before':>8s} {'after':>8s}")
     for label, a, b in rows:
         print(f"  {label:28s} {summary[a]:8.1%} {summary[b]:8.1%}")
+    if best_line:
+        print(best_line)
     print(f"  wall time {wall_time_s / 60:.1f} min; summary in {out}")
     return summary
 
@@ -261,6 +278,7 @@ def main(argv=None) -> int:
     m.add_argument("--final-eval", required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--wall-time-s", type=float, required=True)
+    m.add_argument("--best-eval", help="the evaluation of output_dir/best/ (save_best): best_accuracy, best_step")
     m.add_argument("--title", default="Held-out addition problems never seen in training")
     m.add_argument("--base-completions", help="eval_base_completions.jsonl (python -m grpo_dist.tools.evaluate "
                    "--completions): with --final-completions, print a few completions before and after")
@@ -269,7 +287,8 @@ def main(argv=None) -> int:
     m.add_argument("--show", type=int, default=3, help="completions printed before/after")
     args = p.parse_args(argv)
     if args.cmd == "summary":
-        write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s, title=args.title)
+        write_summary(args.base_eval, args.final_eval, args.out, args.wall_time_s, title=args.title,
+                      best_eval=args.best_eval)
         if args.base_completions and args.final_completions:
             pairs_out = args.pairs_out or Path(args.out).with_name("sample_completions.jsonl")
             pair_completions(args.base_completions, args.final_completions, pairs_out, args.show)

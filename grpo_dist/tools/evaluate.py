@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -166,7 +167,13 @@ def main(argv=None) -> int:
         examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
         torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
         tokenizer = load_tokenizer(cfg.model)
+        t0 = time.perf_counter()
+        if ctx.is_main:
+            print(f"grpo_dist.tools.evaluate: loading model {model_dir} ...", file=sys.stderr, flush=True)
         model = _rollout_model(cfg, ctx, tokenizer, adapter)
+        if ctx.is_main:
+            print(f"grpo_dist.tools.evaluate: loading model {model_dir} ... done in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
         rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                  device=ctx.device, conversational=cfg.data.use_chat_template)
         records: list | None = [] if args.completions else None
@@ -177,7 +184,8 @@ def main(argv=None) -> int:
             _write_completions(args.completions, records, ctx)
         if ctx.is_main:
             print(f"greedy pass@1: {result['accuracy']:.4f} on {result['num_examples']} problems; "
-                  f"{result['truncated_fraction']:.1%} cut off at max_completion_length={cfg.max_completion_length}")
+                  f"{result['truncated_fraction']:.1%} cut off at max_completion_length={cfg.max_completion_length}; "
+                  f"evaluated in {result['eval_time_s']:.1f} s")
             for k in (k_values(args.num_samples) if args.num_samples else []):
                 print(f"pass@{k}: {result[f'pass@{k}']:.4f} ({args.num_samples} samples per problem, "
                       f"temperature {cfg.temperature})")
