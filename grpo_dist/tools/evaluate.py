@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -239,4 +240,10 @@ def _rollout_model(cfg, ctx, tokenizer, adapter: Path | None = None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()  # the process group is destroyed and every result written by now
+    # Leave without the interpreter's teardown: under torchrun it sometimes aborted a rank after its result was
+    # written ("terminate called without an active exception", SIGABRT: a C++ thread meeting a finalizing
+    # interpreter, as tests/dist_utils.py records), turning a finished evaluation into a failed job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
