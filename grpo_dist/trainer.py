@@ -38,6 +38,7 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
+from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
@@ -147,6 +148,8 @@ class GRPOTrainer:
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
+        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta)  # on all-reduced metrics only
+        self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
 
@@ -265,19 +268,35 @@ class GRPOTrainer:
     def _train_loop(self) -> int:
         cfg = self.cfg
         exit_code = 0
+        if self.ctx.is_main:
+            from grpo_dist.run_table import run_table
+            self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
                     watchdog.set_phase("eval")
                     metrics.update(self.evaluate())
+                health = self.health.update(metrics, self.step)  # same numbers, same verdict on every rank
+                metrics.update(health.flags)
+                for line in health.lines:
+                    self.logger.write(line)
                 watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)
                 stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
                 if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
-                        (self.step == cfg.max_steps and cfg.save_final):
+                        (self.step == cfg.max_steps and cfg.save_final) or \
+                        (health.stop and (cfg.save_steps or cfg.save_final)):
                     watchdog.set_phase("save")
                     self.save()
+                if health.stop and not stop:
+                    exit_code = CANNOT_LEARN_EXIT_CODE
+                    if self.ctx.is_main:
+                        saved = f"checkpoint written at step {self.step}" if cfg.save_steps or cfg.save_final \
+                            else "no checkpoint (saving is off)"
+                        print(f"[grpo_dist] health: stopping on {health.stop} (health.stop_on): {saved}, exiting "
+                              f"with code {CANNOT_LEARN_EXIT_CODE}", flush=True)
+                    break
                 if stop:
                     exit_code = PREEMPTED_EXIT_CODE
                     if self.ctx.is_main:
@@ -311,6 +330,8 @@ class GRPOTrainer:
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         self._reward_peaks = []
         self._log_completions(batch, rewards, per_function)
+        if self.on_graded is not None:
+            self.on_graded(batch, rewards)
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
