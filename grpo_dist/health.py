@@ -62,6 +62,12 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _num(m: dict, key: str) -> float | None:
+    """m[key] as a float when it is a finite number, else None."""
+    v = m.get(key)
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
 class HealthMonitor:
     """Conditions on a sequence of step metrics; cfg is a config.HealthConfig, max_completion_length the cap."""
 
@@ -96,19 +102,19 @@ class HealthMonitor:
                                             m.get("zero_advantage_fraction", 0.0) > c.zero_advantage_max),
             "truncated": m.get("truncated_fraction", 0.0) > c.truncated_max,
         }
-        length, med = m.get("completion_length_mean"), self._median("completion_length_mean")
+        length, med = _num(m, "completion_length_mean"), self._median("completion_length_mean")
         # below the floor counts only where the cap leaves room for 4x the floor (a cap of 8 keeps answers short)
         floor = c.min_completion_length if self.max_completion_length >= 4 * c.min_completion_length else 0.0
-        out["length_collapse"] = _finite(length) and (length < floor or
-                                                     (med is not None and length * c.length_fall_factor < med))
-        ent, med = m.get("entropy"), self._median("entropy")
-        out["entropy_collapse"] = _finite(ent) and m.get("completion_length_mean", 1.0) > 0 and (
+        out["length_collapse"] = length is not None and (length < floor or
+                                                         (med is not None and length * c.length_fall_factor < med))
+        ent, med = _num(m, "entropy"), self._median("entropy")
+        out["entropy_collapse"] = ent is not None and (length is None or length > 0) and (
             ent < c.entropy_min or (med is not None and ent * c.entropy_fall_factor < med))
-        gn, med = m.get("grad_norm"), self._median("grad_norm")
+        gn, med = _num(m, "grad_norm"), self._median("grad_norm")
         self._grad_median = med or 0.0
-        out["grad_norm_jump"] = _finite(gn) and med is not None and med > 0 and gn > c.grad_norm_jump_factor * med
-        kl = m.get("kl")
-        out["kl_high"] = self.beta > 0 and _finite(kl) and kl > c.kl_max
+        out["grad_norm_jump"] = gn is not None and med is not None and med > 0 and gn > c.grad_norm_jump_factor * med
+        kl = _num(m, "kl")
+        out["kl_high"] = self.beta > 0 and kl is not None and kl > c.kl_max
         skipped = m.get("skipped_steps", 0)
         rose = self._skipped is not None and skipped > self._skipped
         self._skipped = skipped
