@@ -242,7 +242,7 @@ class GRPOTrainer:
 
         def flat(d, prefix=""):
             for k, v in d.items():
-                if isinstance(v, dict) and k in ("model", "data", "distributed"):
+                if isinstance(v, dict) and k in ("model", "data", "distributed", "health"):
                     yield from flat(v, f"{prefix}{k}.")
                 else:
                     yield f"{prefix}{k}", v

@@ -32,6 +32,7 @@ def _held(flags, name):
     return [f[f"health/{name}"] for f in flags]
 
 
+@pytest.mark.fast
 def test_every_condition_is_documented_and_healthy_steps_raise_nothing():
     assert set(CONDITIONS) == set(HEALTH_CONDITIONS)
     _, flags, lines = _drive([{}] * 30)
@@ -39,6 +40,7 @@ def test_every_condition_is_documented_and_healthy_steps_raise_nothing():
     assert set(flags[0]) == {f"health/{n}" for n in HEALTH_CONDITIONS}
 
 
+@pytest.mark.fast
 def test_reward_constant_and_zero_advantage_need_patience_steps_and_say_when_they_end():
     # patience 3: reward 0 (std 0) and zero_advantage_fraction 1.0 > 0.9 on steps 1-4, then a signal on step 5
     flat = dict(reward_mean=0.0, reward_std=0.0, zero_advantage_fraction=1.0, grad_norm=0.0, loss=0.0)
@@ -55,6 +57,7 @@ def test_reward_constant_and_zero_advantage_need_patience_steps_and_say_when_the
     assert _held(flags, "reward_constant") == [0, 0, 1] and _held(flags, "zero_advantage") == [0, 0, 0]
 
 
+@pytest.mark.fast
 def test_truncated_length_entropy_grad_norm_kl_and_nonfinite():
     # truncated_fraction > 0.5 at once
     _, flags, lines = _drive([dict(truncated_fraction=0.5), dict(truncated_fraction=0.51)])
@@ -84,6 +87,7 @@ def test_truncated_length_entropy_grad_norm_kl_and_nonfinite():
     assert _held(flags, "nonfinite") == [0, 1, 0, 1]
 
 
+@pytest.mark.fast
 def test_stop_on_names_the_condition_and_enabled_false_is_silent():
     mon, _, _ = _drive([dict(truncated_fraction=0.9)], stop_on=["truncated"])
     assert mon.update({**OK, "truncated_fraction": 0.9}, 2).stop == "truncated"
@@ -93,6 +97,7 @@ def test_stop_on_names_the_condition_and_enabled_false_is_silent():
         load_config(None, ["health.stop_on=[truncation]"])
 
 
+@pytest.mark.fast
 def test_run_table_numbers_are_the_config_arithmetic():
     from grpo_dist.run_table import run_numbers, run_table
     cfg = load_config(SMOKE, ["num_iterations=2", "micro_batch_size=3", "data.max_prompt_length=100"])
@@ -114,6 +119,7 @@ def test_run_table_numbers_are_the_config_arithmetic():
     assert "deepspeed ZeRO-2, mixed precision bf16" in text and "no (beta 0: not built, not run)" in text
 
 
+@pytest.mark.fast
 def test_dry_run_config_never_touches_output_dir():
     from grpo_dist.dry_run import prepare
     cfg = prepare(load_config(SMOKE, ["output_dir=/tmp/users_run", "save_steps=1", "eval_steps=2",
@@ -168,3 +174,25 @@ def test_stop_on_zero_advantage_writes_a_checkpoint_and_exits_5(tmp_path, capsys
     assert [m["health/zero_advantage"] for m in metrics] == [0, 1]
     assert [m["health/truncated"] for m in metrics] == [1, 1]
     assert [m["health/entropy_collapse"] for m in metrics] == [0, 0]  # a random model: entropy ~ ln(vocab)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_with_exit_5(tmp_path):
+    """2 ranks see the same all-reduced metrics, so both decide to stop at the same step (no hang, no new
+    collective): each rank's exit code is 5, the table counts both ranks, rank 0 alone prints the health lines."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    codes, out_dir = tmp_path / "codes", tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", GRPO_DIST_EXIT_CODE_DIR=str(codes))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+                        "-m", "grpo_dist.train", "--config", SMOKE, f"output_dir={out_dir}", ZERO_REWARD,
+                        "max_steps=6", "save_steps=0", "progress_bar=false", "health.patience=2",
+                        "health.stop_on=[zero_advantage]", "max_completion_length=2"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert sorted(p.read_text().strip() for p in codes.iterdir()) == ["5", "5"], r.stderr[-3000:]
+    assert "prompts per step        4 (2 rank(s) x prompts_per_rank 2)" in r.stdout
+    assert r.stdout.count("[grpo_dist] health: zero_advantage from step 2") == 1
+    assert (out_dir / "checkpoint-2").is_dir() and not (out_dir / "checkpoint-3").exists()
