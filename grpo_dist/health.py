@@ -108,7 +108,8 @@ class HealthMonitor:
         out["length_collapse"] = length is not None and (length < floor or
                                                          (med is not None and length * c.length_fall_factor < med))
         ent, med = _num(m, "entropy"), self._median("entropy")
-        out["entropy_collapse"] = ent is not None and (length is None or length > 0) and (
+        trained = m.get("trained_tokens", 1.0) > 0  # no trained token: entropy reads 0 and means nothing
+        out["entropy_collapse"] = ent is not None and trained and (
             ent < c.entropy_min or (med is not None and ent * c.entropy_fall_factor < med))
         gn, med = _num(m, "grad_norm"), self._median("grad_norm")
         self._grad_median = med or 0.0
@@ -121,7 +122,8 @@ class HealthMonitor:
         keys = ("reward_mean", "loss", "grad_norm", "kl", "entropy")
         out["nonfinite"] = rose or any(k in m and not _finite(m[k]) for k in keys)
         for key in self._hist:
-            if _finite(m.get(key)) and not (key == "grad_norm" and m[key] == 0.0):
+            if _finite(m.get(key)) and not (key == "grad_norm" and m[key] == 0.0) and \
+                    not (key == "entropy" and not trained):
                 self._hist[key].append(float(m[key]))
         return out
 

@@ -759,6 +759,7 @@ class GRPOTrainer:
                else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
+            "trained_tokens": float(s["trained_tokens"]),  # 0: no row trained (entropy, kl then read 0)
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),
             "skipped_steps": self.nonfinite_steps,

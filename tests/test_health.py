@@ -75,6 +75,9 @@ def test_truncated_length_entropy_grad_norm_kl_and_nonfinite():
     assert _held(flags, "entropy_collapse") == [1, 0, 0, 0, 0]
     _, flags, _ = _drive([{}] * 3 + [dict(entropy=0.39)], entropy_min=0.0)
     assert _held(flags, "entropy_collapse") == [0, 0, 0, 1]
+    # no token trained (skip_zero_advantage_groups with every group flat): the entropy metric reads 0, meaning nothing
+    _, flags, _ = _drive([dict(entropy=0.0, trained_tokens=0.0)])
+    assert _held(flags, "entropy_collapse") == [0]
     # grad norm: above 10x the median of earlier non-zero norms (1.0), after min_history=3 steps
     _, flags, lines = _drive([dict(grad_norm=50.0)] + [{}] * 3 + [dict(grad_norm=10.0), dict(grad_norm=10.5)])
     assert _held(flags, "grad_norm_jump") == [0, 0, 0, 0, 0, 1]
@@ -163,7 +166,8 @@ def test_stop_on_zero_advantage_writes_a_checkpoint_and_exits_5(tmp_path, capsys
     monitor it ran all 6 steps in silence and exited 0."""
     out_dir = tmp_path / "run"
     code, out = _main(capsys, f"output_dir={out_dir}", ZERO_REWARD, "max_steps=6", "save_steps=0",
-                      "health.patience=2", "health.stop_on=[zero_advantage]", "max_completion_length=2")
+                      "health.patience=2", "health.stop_on=[zero_advantage]", "max_completion_length=2",
+                      "skip_zero_advantage_groups=true")
     assert code == CANNOT_LEARN_EXIT_CODE, out
     assert "[grpo_dist] health: truncated from step 1 (truncated_fraction=1 > 0.5 at max_completion_length=2)" in out
     assert "[grpo_dist] health: zero_advantage from step 2 (zero_advantage_fraction=1 > 0.9 for 2 steps)" in out
@@ -173,7 +177,8 @@ def test_stop_on_zero_advantage_writes_a_checkpoint_and_exits_5(tmp_path, capsys
     metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["health/zero_advantage"] for m in metrics] == [0, 1]
     assert [m["health/truncated"] for m in metrics] == [1, 1]
-    assert [m["health/entropy_collapse"] for m in metrics] == [0, 0]  # a random model: entropy ~ ln(vocab)
+    # every group flat and skipped: no token trained, the entropy metric reads 0 and raises no entropy_collapse
+    assert [(m["trained_tokens"], m["entropy"], m["health/entropy_collapse"]) for m in metrics] == [(0, 0, 0)] * 2
 
 
 @pytest.mark.slow
