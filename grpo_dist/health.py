@@ -142,7 +142,8 @@ class HealthMonitor:
                              f"{change}")
             elif not now and name in self.active:
                 start = self.active.pop(name)
-                lines.append(f"[grpo_dist] health: {name} ended at step {step} (held steps {start}-{step - 1})")
+                lines.append(f"[grpo_dist] health: {name} ended at step {step} (held {step - start} step(s) from step "
+                             f"{start})")
         stop = next((n for n in self.cfg.stop_on if n in self.active), None)
         self.history.append({**m, **flags})
         return Verdict(flags, lines, stop)

@@ -51,7 +51,7 @@ def test_reward_constant_and_zero_advantage_need_patience_steps_and_say_when_the
     assert [x.split(":")[1].split()[0] for x in starts] == ["reward_constant", "zero_advantage"]
     assert "from step 3 (reward_mean=0, reward_std=0 for 3 steps)" in starts[0]
     assert "raise max_completion_length" in starts[0]  # docs/troubleshooting.md's words
-    assert "[grpo_dist] health: zero_advantage ended at step 5 (held steps 3-4)" in lines
+    assert "[grpo_dist] health: zero_advantage ended at step 5 (held 2 step(s) from step 3)" in lines
     # reward 1 everywhere counts too; 0.9 exactly is not above the threshold
     _, flags, _ = _drive([dict(reward_mean=1.0, reward_std=0.0, zero_advantage_fraction=0.9)] * 3)
     assert _held(flags, "reward_constant") == [0, 0, 1] and _held(flags, "zero_advantage") == [0, 0, 0]
@@ -201,3 +201,17 @@ def test_two_ranks_stop_together_with_exit_5(tmp_path):
     assert "prompts per step        4 (2 rank(s) x prompts_per_rank 2)" in r.stdout
     assert r.stdout.count("[grpo_dist] health: zero_advantage from step 2") == 1
     assert (out_dir / "checkpoint-2").is_dir() and not (out_dir / "checkpoint-3").exists()
+
+
+def test_a_nan_step_starts_and_ends_nonfinite_on_the_smoke_model(tmp_path, capsys, monkeypatch):
+    """The loss of step 2 is made NaN (grpo_dist/faults.py): the step is skipped (skipped_steps 0 -> 1), so
+    health/nonfinite is 1 at step 2 only, with one line when it starts and one when it ends."""
+    monkeypatch.setenv("GRPO_DIST_FAULT", "nan@step2")
+    out_dir = tmp_path / "run"
+    code, out = _main(capsys, f"output_dir={out_dir}", "max_steps=3", "save_steps=0", "save_final=false")
+    assert code == 0, out
+    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 1]
+    assert [m["health/nonfinite"] for m in metrics] == [0, 1, 0]
+    assert "[grpo_dist] health: nonfinite from step 2 (skipped_steps=1" in out
+    assert "[grpo_dist] health: nonfinite ended at step 3 (held 1 step(s) from step 2)" in out
