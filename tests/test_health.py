@@ -47,7 +47,7 @@ def test_reward_constant_and_zero_advantage_need_patience_steps_and_say_when_the
     _, flags, lines = _drive([flat] * 4 + [{}])
     assert _held(flags, "reward_constant") == [0, 0, 1, 1, 0]
     assert _held(flags, "zero_advantage") == [0, 0, 1, 1, 0]
-    starts = [x for x in lines if " from step " in x]
+    starts = [x for x in lines if " ended at step " not in x]
     assert [x.split(":")[1].split()[0] for x in starts] == ["reward_constant", "zero_advantage"]
     assert "from step 3 (reward_mean=0, reward_std=0 for 3 steps)" in starts[0]
     assert "raise max_completion_length" in starts[0]  # docs/troubleshooting.md's words
