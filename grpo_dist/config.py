@@ -209,11 +209,13 @@ class HealthConfig:
     truncated_max: float = _f(0.5, "truncated_fraction above this: most answers cut off before they can be graded "
                               "(TRL's 256-token default cut off 97-99%)")
     min_completion_length: float = _f(10.0, "completion_length_mean below this (tokens) is a collapse (000 "
-                                      "section 12: < 10 = only EOS); checked when max_completion_length >= 4x it")
+                                      "section 12: < 10 = only EOS); checked when max_completion_length >= 4x it "
+                                      "and the first min_history steps' median was >= it (0: off)")
     length_fall_factor: float = _f(5.0, "completion_length_mean this many times under its running median is a "
                                    "collapse (001 section 3.1: length 'suddenly collapses')")
-    entropy_min: float = _f(1.0, "token entropy below this (001 section 4.3: under 1.0 predicts mode collapse); "
-                            "0: off")
+    entropy_min: float = _f(1.0, "token entropy falling below this (001 section 4.3: under 1.0 predicts mode "
+                            "collapse); checked when the first min_history steps' median was >= it (an instruct "
+                            "model may start below it); 0: off")
     entropy_fall_factor: float = _f(5.0, "entropy this many times under its running median is a collapse (001: "
                                     "entropy 'tends to zero')")
     grad_norm_jump_factor: float = _f(10.0, "grad_norm above this many times its running median (001 section "

@@ -80,7 +80,13 @@ class HealthMonitor:
         self._hist: dict[str, list[float]] = {"completion_length_mean": [], "entropy": [], "grad_norm": []}
         self._skipped: int | None = None
         self._grad_median = 0.0
+        self._start: dict[str, float] = {}  # median of the first min_history steps: where the run started
         self.history: list[dict] = []  # every step's metrics (with health/*): the dry run's report reads them
+
+    def _started_above(self, key: str, floor: float) -> bool:
+        """Whether key's first min_history steps had a median >= floor: an absolute floor flags a fall below it,
+        not a run that starts there (a 9-token answer task, an instruct model's low entropy at temperature 0.7)."""
+        return self._start.get(key, -math.inf) >= floor
 
     def _median(self, key: str) -> float | None:
         h = self._hist[key][-self.cfg.window:]
@@ -103,14 +109,17 @@ class HealthMonitor:
             "truncated": m.get("truncated_fraction", 0.0) > c.truncated_max,
         }
         length, med = _num(m, "completion_length_mean"), self._median("completion_length_mean")
-        # below the floor counts only where the cap leaves room for 4x the floor (a cap of 8 keeps answers short)
-        floor = c.min_completion_length if self.max_completion_length >= 4 * c.min_completion_length else 0.0
+        # below the floor counts where the cap leaves room for 4x the floor (a cap of 8 keeps answers short) and the
+        # run started above it
+        floor = c.min_completion_length if self.max_completion_length >= 4 * c.min_completion_length and \
+            self._started_above("completion_length_mean", c.min_completion_length) else 0.0
         out["length_collapse"] = length is not None and (length < floor or
                                                          (med is not None and length * c.length_fall_factor < med))
         ent, med = _num(m, "entropy"), self._median("entropy")
         trained = m.get("trained_tokens", 1.0) > 0  # no trained token: entropy reads 0 and means nothing
         out["entropy_collapse"] = ent is not None and trained and (
-            ent < c.entropy_min or (med is not None and ent * c.entropy_fall_factor < med))
+            (ent < c.entropy_min and self._started_above("entropy", c.entropy_min)) or
+            (med is not None and ent * c.entropy_fall_factor < med))
         gn, med = _num(m, "grad_norm"), self._median("grad_norm")
         self._grad_median = med or 0.0
         out["grad_norm_jump"] = gn is not None and med is not None and med > 0 and gn > c.grad_norm_jump_factor * med
@@ -125,6 +134,8 @@ class HealthMonitor:
             if _finite(m.get(key)) and not (key == "grad_norm" and m[key] == 0.0) and \
                     not (key == "entropy" and not trained):
                 self._hist[key].append(float(m[key]))
+                if len(self._hist[key]) == c.min_history:
+                    self._start[key] = statistics.median(self._hist[key])
         return out
 
     def update(self, m: dict, step: int) -> Verdict:

@@ -63,16 +63,23 @@ def test_truncated_length_entropy_grad_norm_kl_and_nonfinite():
     _, flags, lines = _drive([dict(truncated_fraction=0.5), dict(truncated_fraction=0.51)])
     assert _held(flags, "truncated") == [0, 1]
     assert "truncated_fraction=0.51 > 0.5 at max_completion_length=256" in lines[0]
-    # length: below 10 tokens (cap 256 >= 4 x 10), or 5x under the running median of the steps before (200)
+    # length: below 10 tokens (cap 256 >= 4 x 10, the first 3 steps' median 200 >= 10), or 5x under the running
+    # median of the steps before (200)
     _, flags, _ = _drive([{}] * 3 + [dict(completion_length_mean=39.0), dict(completion_length_mean=41.0),
                                      dict(completion_length_mean=9.0)])
     assert _held(flags, "length_collapse") == [0, 0, 0, 1, 0, 1]
+    # a task whose answers are 9 tokens from the start has not collapsed
+    _, flags, _ = _drive([dict(completion_length_mean=9.0)] * 5)
+    assert _held(flags, "length_collapse") == [0] * 5
     # a cap of 8 tokens keeps answers short: the 10-token floor does not apply (8 < 4 x 10), the 5x fall does
     _, flags, _ = _drive([dict(completion_length_mean=7.0)] * 4, max_completion_length=8)
     assert _held(flags, "length_collapse") == [0, 0, 0, 0]
-    # entropy: below 1.0, or 5x under its median (2.0): 0.39 < 2 / 5
-    _, flags, _ = _drive([dict(entropy=0.99), {}, {}, {}, dict(entropy=1.5)])
-    assert _held(flags, "entropy_collapse") == [1, 0, 0, 0, 0]
+    # entropy: below 1.0 after starting above it (the first 3 steps' median 2.0), or 5x under its median: 0.39 < 2 / 5
+    _, flags, _ = _drive([{}, {}, {}, dict(entropy=0.99), dict(entropy=1.5)])
+    assert _held(flags, "entropy_collapse") == [0, 0, 0, 1, 0]
+    # an instruct model at temperature 0.7 may start at 0.5: that is its level, not a collapse
+    _, flags, _ = _drive([dict(entropy=0.5)] * 5)
+    assert _held(flags, "entropy_collapse") == [0] * 5
     _, flags, _ = _drive([{}] * 3 + [dict(entropy=0.39)], entropy_min=0.0)
     assert _held(flags, "entropy_collapse") == [0, 0, 0, 1]
     # no token trained (skip_zero_advantage_groups with every group flat): the entropy metric reads 0, meaning nothing
