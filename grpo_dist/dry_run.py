@@ -52,10 +52,18 @@ class DryRun:
     """Attached to the trainer: keeps rank 0's first-step completions, then reads the verdict from the monitor's
     history (all-reduced metrics: every rank returns the same code)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, given):
+        """given: the config as the user wrote it; its run table is printed (rank 0) before the rehearsal."""
         self.trainer = trainer
         self.samples: list[tuple[str, float]] = []
         trainer.on_graded = self._graded
+        if trainer.ctx.is_main:
+            from grpo_dist.run_table import run_table
+            lines = run_table(given, trainer.ctx.world_size, trainer.ref_model is not None)
+            lines[0] = (f"[grpo_dist] run table (the run as configured; this dry run: {DRY_RUN_PROMPTS} prompts, "
+                        f"num_generations={DRY_RUN_GENERATIONS}, {DRY_RUN_STEPS} steps, no checkpoint, output in "
+                        f"{trainer.cfg.output_dir}):")
+            print("\n".join(lines), flush=True)
 
     def _graded(self, batch, rewards) -> None:
         if self.samples or not self.trainer.ctx.is_main:

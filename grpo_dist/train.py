@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
+        given = cfg
         if cfg.dry_run:  # the rehearsal's own config: never the user's output_dir
             cfg = dry_run.prepare(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             for line in start_warnings(cfg):  # settings that run but are probably not what was meant
                 print(f"[grpo_dist] {line}", flush=True)
         trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: any failure leaves config.yaml as it was
-        rehearsal = dry_run.DryRun(trainer) if cfg.dry_run else None
+        rehearsal = dry_run.DryRun(trainer, given) if cfg.dry_run else None
         if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")
         code = trainer.train()

@@ -268,7 +268,7 @@ class GRPOTrainer:
     def _train_loop(self) -> int:
         cfg = self.cfg
         exit_code = 0
-        if self.ctx.is_main:
+        if self.ctx.is_main and not cfg.dry_run:  # a dry run prints the table of the run as configured
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:

@@ -153,7 +153,8 @@ def test_dry_run_verdicts_on_the_smoke_model(tmp_path, capsys):
     user = tmp_path / "mine"
     code, out = _main(capsys, f"output_dir={user}", "--dry-run")
     assert code == 0, out
-    assert "[grpo_dist] run table:" in out and "completions per step    16 (x num_generations 2)" in out
+    assert "[grpo_dist] run table (the run as configured; this dry run: 8 prompts, num_generations=2" in out
+    assert "completions per step    8 (x num_generations 4)" in out  # smoke: 1 rank x 2 prompts x 4
     assert out.count("[grpo_dist]   prompt ") == 8  # one completion per prompt, 8 prompts
     assert "gradient non-zero: yes" in out and "peak memory (RSS, rank 0)" in out
     assert out.splitlines()[-1] == "[grpo_dist] dry run verdict: can learn"
