@@ -28,7 +28,7 @@ def dry_run_dir(world_size: int) -> Path:
     elastic agent)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     owner = os.getppid() if world_size > 1 else os.getpid()
-    return Path(tempfile.gettempdir()) / f"grpo_dist_dry_run_{run}_{owner}"
+    return Path(tempfile.gettempdir()) / "_".join(x for x in ("grpo_dist_dry_run", run, str(owner)) if x)
 
 
 def prepare(cfg, world_size: int):
@@ -62,7 +62,7 @@ class DryRun:
             lines = run_table(given, trainer.ctx.world_size, trainer.ref_model is not None)
             lines[0] = (f"[grpo_dist] run table (the run as configured; this dry run: {DRY_RUN_PROMPTS} prompts, "
                         f"num_generations={DRY_RUN_GENERATIONS}, {DRY_RUN_STEPS} steps, no checkpoint, output in "
-                        f"{trainer.cfg.output_dir}):")
+                        f"{trainer.cfg.output_dir}, removed at the end):")
             print("\n".join(lines), flush=True)
 
     def _graded(self, batch, rewards) -> None:
