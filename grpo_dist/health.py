@@ -14,6 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+HISTORY = 100  # steps of metrics the monitor keeps (a long run must not grow it without bound)
 CANNOT_LEARN_EXIT_CODE = 5  # the run cannot learn (health.stop_on, or a failed --dry-run verdict)
 
 # name -> (what it means, what to change), from docs/troubleshooting.md
@@ -81,7 +82,7 @@ class HealthMonitor:
         self._skipped: int | None = None
         self._grad_median = 0.0
         self._start: dict[str, float] = {}  # median of the first min_history steps: where the run started
-        self.history: list[dict] = []  # every step's metrics (with health/*): the dry run's report reads them
+        self.history: list[dict] = []  # the last HISTORY steps' metrics (with health/*): the dry run reads them
 
     def _started_above(self, key: str, floor: float) -> bool:
         """Whether key's first min_history steps had a median >= floor: an absolute floor flags a fall below it,
@@ -133,9 +134,11 @@ class HealthMonitor:
         for key in self._hist:
             if _finite(m.get(key)) and not (key == "grad_norm" and m[key] == 0.0) and \
                     not (key == "entropy" and not trained):
-                self._hist[key].append(float(m[key]))
-                if len(self._hist[key]) == c.min_history:
-                    self._start[key] = statistics.median(self._hist[key])
+                h = self._hist[key]
+                h.append(float(m[key]))
+                if len(h) == c.min_history and key not in self._start:
+                    self._start[key] = statistics.median(h)
+                del h[:-max(c.window, c.min_history)]  # bounded: the medians read the last window steps
         return out
 
     def update(self, m: dict, step: int) -> Verdict:
@@ -156,7 +159,7 @@ class HealthMonitor:
                 lines.append(f"[grpo_dist] health: {name} ended at step {step} (held {step - start} step(s) from step "
                              f"{start})")
         stop = next((n for n in self.cfg.stop_on if n in self.active), None)
-        self.history.append({**m, **flags})
+        self.history = self.history[-(HISTORY - 1):] + [{**m, **flags}]
         return Verdict(flags, lines, stop)
 
     def _numbers(self, name: str, m: dict) -> str:

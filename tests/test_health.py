@@ -223,3 +223,9 @@ def test_a_nan_step_starts_and_ends_nonfinite_on_the_smoke_model(tmp_path, capsy
     assert [m["health/nonfinite"] for m in metrics] == [0, 1, 0]
     assert "[grpo_dist] health: nonfinite from step 2 (skipped_steps=1" in out
     assert "[grpo_dist] health: nonfinite ended at step 3 (held 1 step(s) from step 2)" in out
+
+
+@pytest.mark.fast
+def test_the_monitor_keeps_bounded_state_over_a_long_run():
+    mon, flags, lines = _drive([{}] * 500, window=20)
+    assert lines == [] and len(mon.history) == 100 and all(len(h) <= 20 for h in mon._hist.values())
