@@ -200,10 +200,12 @@ def test_two_ranks_stop_together_with_exit_5(tmp_path):
     root = Path(__file__).resolve().parents[1]
     codes, out_dir = tmp_path / "codes", tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", GRPO_DIST_EXIT_CODE_DIR=str(codes))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-                        "-m", "grpo_dist.train", "--config", SMOKE, f"output_dir={out_dir}", ZERO_REWARD,
-                        "max_steps=6", "save_steps=0", "progress_bar=false", "health.patience=2",
-                        "health.stop_on=[zero_advantage]", "max_completion_length=2"],
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    r = subprocess.run(launch + ["-m", "grpo_dist.train", "--config", SMOKE, f"output_dir={out_dir}", ZERO_REWARD,
+                                 "max_steps=6", "save_steps=0", "progress_bar=false", "health.patience=2",
+                                 "health.stop_on=[zero_advantage]", "max_completion_length=2",
+                                 "distributed.timeout_s=60"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert sorted(p.read_text().strip() for p in codes.iterdir()) == ["5", "5"], r.stderr[-3000:]
     assert "prompts per step        4 (2 rank(s) x prompts_per_rank 2)" in r.stdout
