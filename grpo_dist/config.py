@@ -189,6 +189,46 @@ class VLLMConfig:
     enforce_eager: Optional[bool] = _f(None, "no CUDA graphs (None: true on CPU, false on GPU)")
 
 
+# health.*: the training-health monitor (grpo_dist/health.py). Defaults from the seed documents' monitoring tables
+# and peers' reports: 000 section 11-12 (loss always 0 = every group has one reward; reward_avg stuck at 0 or 1;
+# avg_response_len suddenly below 10 = only EOS), 001 section 4.3 (token entropy below 1.0 predicts mode collapse,
+# healthy 1.5-3.0; a sudden grad-norm rise predicts instability) and TRL's 256-token default that cut off 97-99%
+# of completions while the run silently learned nothing (truncated_max).
+HEALTH_CONDITIONS = ("reward_constant", "zero_advantage", "truncated", "length_collapse", "entropy_collapse",
+                     "grad_norm_jump", "kl_high", "nonfinite")
+
+
+@dataclass
+class HealthConfig:
+    enabled: bool = _f(True, "check every step's (all-reduced) metrics; one console line when a condition starts, "
+                       "one when it ends; health/<name> (0/1) in the metrics")
+    patience: int = _f(3, "steps in a row reward_constant / zero_advantage must hold (one flat step is noise; "
+                       "3 is 'stuck', 000 section 12: reward 'constantly 0 or 1')")
+    zero_advantage_max: float = _f(0.9, "zero_advantage fraction above this for patience steps: almost no group "
+                                   "has a learning signal (000 section 11: loss always 0)")
+    truncated_max: float = _f(0.5, "truncated_fraction above this: most answers cut off before they can be graded "
+                              "(TRL's 256-token default cut off 97-99%)")
+    min_completion_length: float = _f(10.0, "completion_length_mean below this (tokens) is a collapse (000 "
+                                      "section 12: < 10 = only EOS); checked when max_completion_length >= 4x it "
+                                      "and the first min_history steps' median was >= it (0: off)")
+    length_fall_factor: float = _f(5.0, "completion_length_mean this many times under its running median is a "
+                                   "collapse (001 section 3.1: length 'suddenly collapses')")
+    entropy_min: float = _f(1.0, "token entropy falling below this (001 section 4.3: under 1.0 predicts mode "
+                            "collapse); checked when the first min_history steps' median was >= it (an instruct "
+                            "model may start below it); 0: off")
+    entropy_fall_factor: float = _f(5.0, "entropy this many times under its running median is a collapse (001: "
+                                    "entropy 'tends to zero')")
+    grad_norm_jump_factor: float = _f(10.0, "grad_norm above this many times its running median (001 section "
+                                      "4.3: a sudden rise predicts numerical instability; compare with earlier "
+                                      "steps, the scale depends on the model)")
+    kl_max: float = _f(1.0, "mean per-token KL to the reference above this (beta > 0): 1 nat per token is a policy "
+                       "far from its reference (000: the KL run that collapsed to 0.4%)")
+    window: int = _f(20, "steps in the running medians")
+    min_history: int = _f(3, "steps of history before the relative (median) checks apply")
+    stop_on: list = _f(factory=list, help="conditions that stop the run (exit 5, after a checkpoint when saving is "
+                       f"configured): any of {', '.join(HEALTH_CONDITIONS)}")
+
+
 @dataclass
 class GRPOConfig:
     # Run
@@ -308,6 +348,10 @@ class GRPOConfig:
     distributed: DistributedConfig = _f(factory=DistributedConfig, help="distributed section")
     lora: LoraConfig = _f(factory=LoraConfig, help="LoRA section")
     vllm: VLLMConfig = _f(factory=VLLMConfig, help="vllm section (rollout_engine=vllm)")
+    health: HealthConfig = _f(factory=HealthConfig, help="health monitor section (grpo_dist/health.py)")
+    dry_run: bool = _f(False, "a few-second rehearsal of this config (grpo_dist/dry_run.py): num_generations=2, "
+                       "8 prompts in all, 2 steps, no checkpoint, output in a temporary directory; prints the run "
+                       "table, a completion per prompt, and whether the run can learn (exit 0) or not (exit 5)")
 
     def __post_init__(self):
         self.validate()
@@ -370,6 +414,7 @@ class GRPOConfig:
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
                        "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
+        bad += _health_problems(self.health)
         return bad
 
     def _variant_problems(self) -> list[str]:
@@ -521,6 +566,19 @@ def _number_keys(obj, prefix: str):
             yield from _number_keys(v, f"{prefix}{f.name}.")
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             yield prefix + f.name
+
+
+def _health_problems(h: HealthConfig) -> list[str]:
+    bad = [f"config key 'health.stop_on' has {short(n)}; allowed: {', '.join(HEALTH_CONDITIONS)}"
+           for n in h.stop_on if n not in HEALTH_CONDITIONS]
+    for k in ("patience", "window", "min_history"):
+        if getattr(h, k) < 1:
+            bad.append(f"config key 'health.{k}' must be >= 1, got {getattr(h, k)}")
+    for k in ("zero_advantage_max", "truncated_max", "min_completion_length", "length_fall_factor", "entropy_min",
+              "entropy_fall_factor", "grad_norm_jump_factor", "kl_max"):
+        if not getattr(h, k) >= 0:
+            bad.append(f"config key 'health.{k}' must be >= 0, got {getattr(h, k)}")
+    return bad
 
 
 def _check_choices(obj, prefix: str) -> list[str]:

@@ -11,6 +11,8 @@ Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit code
       and the newest checkpoint, which predates it; grpo_dist/nonfinite.py)
   4   a collective failed because another rank died, stopped or hung (one line names that rank and its last
       phase; grpo_dist/watchdog.py; resume with resume_from_checkpoint=auto)
+  5   cannot learn: a health condition named in health.stop_on held (grpo_dist/health.py; a checkpoint is written
+      first when saving is configured), or the --dry-run verdict was "cannot learn" (grpo_dist/dry_run.py)
   75  stopped by SIGTERM/SIGUSR1 (or because torchrun died), or by a first Ctrl-C during training, after writing a
       checkpoint (requeue and resume with resume_from_checkpoint=auto)
   130 aborted by a second Ctrl-C (or a Ctrl-C before training started), without a checkpoint
@@ -46,10 +48,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     from grpo_dist.interrupts import abort_before_training
     abort_before_training(is_main=os.environ.get("RANK", "0") == "0")  # the training loop handles Ctrl-C itself
+    from grpo_dist import dry_run
     from grpo_dist.config import ConfigError, load_config
     try:
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
+        given = cfg
+        if cfg.dry_run:  # the rehearsal's own config: never the user's output_dir
+            cfg = dry_run.prepare(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
         return _report(2)
@@ -75,10 +81,13 @@ def main(argv=None) -> int:
             for line in start_warnings(cfg):  # settings that run but are probably not what was meant
                 print(f"[grpo_dist] {line}", flush=True)
         trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: any failure leaves config.yaml as it was
+        rehearsal = dry_run.DryRun(trainer, given) if cfg.dry_run else None
         if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")
         code = trainer.train()
-        if ctx.is_main and code == 0:
+        if rehearsal is not None:
+            code = rehearsal.finish(code)
+        elif ctx.is_main and code == 0:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
                   f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
     except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
@@ -100,6 +109,9 @@ def main(argv=None) -> int:
         gdist.cleanup()
         if lock is not None:
             lock.release()
+        if cfg.dry_run and ctx.is_main:
+            import shutil
+            shutil.rmtree(cfg.output_dir, ignore_errors=True)
         _report(code)
     # Skip the interpreter's final garbage collection over every torch/transformers object (seconds on a busy
     # host), which would eat into a preemption's grace period; everything is written and closed by now.

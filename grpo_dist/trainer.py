@@ -38,6 +38,7 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine
+from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
@@ -147,6 +148,8 @@ class GRPOTrainer:
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
+        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta)  # on all-reduced metrics only
+        self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
 
@@ -253,7 +256,7 @@ class GRPOTrainer:
 
         def flat(d, prefix=""):
             for k, v in d.items():
-                if isinstance(v, dict) and k in ("model", "data", "distributed"):
+                if isinstance(v, dict) and k in ("model", "data", "distributed", "health"):
                     yield from flat(v, f"{prefix}{k}.")
                 else:
                     yield f"{prefix}{k}", v
@@ -272,34 +275,31 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> int:
-        """Run to max_steps. Returns the process exit code (0, or PREEMPTED_EXIT_CODE after a stop request)."""
+        """Run to max_steps. Returns the process exit code: 0, PREEMPTED_EXIT_CODE after a stop request, or
+        CANNOT_LEARN_EXIT_CODE when a health.stop_on condition held."""
         with GracefulStop(self.request_stop, self.ctx.is_main, lambda: self.step + 1).installed():
             return self._train_loop()
 
     def _train_loop(self) -> int:
         cfg = self.cfg
         exit_code = 0
+        if self.ctx.is_main and not cfg.dry_run:  # a dry run prints the table of the run as configured
+            from grpo_dist.run_table import run_table
+            self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
             while self.step < cfg.max_steps:
-                metrics, saved = self.train_step(), None
-                if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
-                    watchdog.set_phase("eval")
-                    metrics.update(self.evaluate())
+                metrics = self.train_step()
+                self._evaluate_if_due(metrics)
+                health = self._check_health(metrics)
                 watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)
                 stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
-                if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
-                        (self.step == cfg.max_steps and cfg.save_final):
-                    watchdog.set_phase("save")
-                    saved = self.save()
+                saved = self._save_if_due(stop, bool(health.stop))
                 if cfg.save_best and cfg.save_best in metrics:
                     watchdog.set_phase("save")
                     self._keep_best(metrics[cfg.save_best], saved)
-                if stop:
-                    exit_code = PREEMPTED_EXIT_CODE
-                    if self.ctx.is_main:
-                        print(f"[grpo_dist] stop requested: checkpoint written at step {self.step}, exiting with "
-                              f"code {PREEMPTED_EXIT_CODE}", flush=True)
+                exit_code = self._stop_code(stop, health.stop)
+                if exit_code:
                     break
         finally:
             self.logger.close()
@@ -307,6 +307,49 @@ class GRPOTrainer:
             self.rewards.close()
             self.close()
         return exit_code
+
+    def _evaluate_if_due(self, metrics: dict) -> None:
+        cfg = self.cfg
+        if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+            watchdog.set_phase("eval")
+            metrics.update(self.evaluate())
+
+    def _check_health(self, metrics: dict):
+        """The health monitor on this step's all-reduced metrics (the same verdict on every rank): its flags go
+        into the metrics, its start/end lines to the console."""
+        health = self.health.update(metrics, self.step)
+        metrics.update(health.flags)
+        for line in health.lines:
+            self.logger.write(line)
+        return health
+
+    def _save_if_due(self, stop: bool, cannot_learn: bool) -> Path | None:
+        """A checkpoint at save_steps, at the end (save_final), and before any stop (a requested one always; a
+        health.stop_on one when saving is on). Collective."""
+        cfg = self.cfg
+        if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
+                (self.step == cfg.max_steps and cfg.save_final) or \
+                (cannot_learn and (cfg.save_steps or cfg.save_final)):
+            watchdog.set_phase("save")
+            return self.save()
+        return None
+
+    def _stop_code(self, stop: bool, cannot_learn: str | None) -> int:
+        """The exit code that ends the loop after this step (0: go on), with its one line. A requested stop wins."""
+        cfg = self.cfg
+        if stop:
+            if self.ctx.is_main:
+                print(f"[grpo_dist] stop requested: checkpoint written at step {self.step}, exiting with "
+                      f"code {PREEMPTED_EXIT_CODE}", flush=True)
+            return PREEMPTED_EXIT_CODE
+        if cannot_learn:
+            if self.ctx.is_main:
+                saved = f"checkpoint written at step {self.step}" if cfg.save_steps or cfg.save_final \
+                    else "no checkpoint (saving is off)"
+                print(f"[grpo_dist] health: stopping on {cannot_learn} (health.stop_on): {saved}, exiting with "
+                      f"code {CANNOT_LEARN_EXIT_CODE}", flush=True)
+            return CANNOT_LEARN_EXIT_CODE
+        return 0
 
     def close(self) -> None:
         """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
@@ -328,6 +371,8 @@ class GRPOTrainer:
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         self._reward_peaks = []
         self._log_completions(batch, rewards, per_function)
+        if self.on_graded is not None:
+            self.on_graded(batch, rewards)
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
@@ -755,6 +800,7 @@ class GRPOTrainer:
                else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
+            "trained_tokens": float(s["trained_tokens"]),  # 0: no row trained (entropy, kl then read 0)
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),
             "skipped_steps": self.nonfinite_steps,

@@ -104,7 +104,8 @@ echo "$PROG: $NNODES node(s) x $NPROC_PER_NODE process(es): ${CMD[*]}" >&2
 
 # torchrun exits 1 whenever a worker fails, whatever the worker returned. Each worker writes its own exit code
 # into GRPO_DIST_EXIT_CODE_DIR (grpo_dist.train); pass on the lowest rank's non-zero code: 2 bad config or data,
-# 3 non-finite loss, 75 preempted (torchrun's own status when no worker wrote one, e.g. all were killed).
+# 3 non-finite loss, 5 cannot learn (health.stop_on, --dry-run), 75 preempted (torchrun's own status when no
+# worker wrote one, e.g. all were killed).
 worker_code() { # worker_code DIR TORCHRUN_STATUS
   local f c
   if [ "$2" != 0 ]; then

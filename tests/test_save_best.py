@@ -32,10 +32,25 @@ def run(overrides, weights=None):
     """Build a trainer on BASE + overrides and train it; evaluate() runs for real, then reports SCRIPT[step]
     (and records the step's weights in `weights`)."""
     from grpo_dist.config import load_config
-    from grpo_dist.distributed import init_distributed
+    from grpo_dist.distributed import cleanup, init_distributed
     from grpo_dist.trainer import GRPOTrainer
     cfg = load_config(None, BASE + overrides)
-    tr = GRPOTrainer(cfg, init_distributed(60))
+    # The process group and its variables must not outlive the run: the module-scoped fixture below runs before
+    # the per-test restore of RANK/MASTER_PORT (conftest.py), and a later subprocess given the same MASTER_PORT
+    # would find this process still listening on it (EADDRINUSE).
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        return _train(GRPOTrainer(cfg, init_distributed(60)), weights)
+    finally:
+        cleanup()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _train(tr, weights):
     real = tr.evaluate
 
     def scripted():
