@@ -154,7 +154,9 @@ def test_full_disk_sharded_two_ranks_every_rank_exits_2(tmp_path):
         assert sorted(p.read_text().strip() for p in codes.iterdir()) == ["2", "2"], r.stderr[-3000:]
         lines = [ln for ln in r.stderr.splitlines() if "CheckpointError" in ln]
         assert len(lines) == 1 and "the last good checkpoint is none" in lines[0], r.stderr[-3000:]
-        assert "No space left on device" in lines[0], lines[0]
+        # which writer hits the full disk first varies: Python's own (ENOSPC) or torch.save's stream writer,
+        # recognised by the filesystem having no room left
+        assert "No space left on device" in lines[0] or " bytes free on its filesystem" in lines[0], lines[0]
         assert not list((fs / "run").glob("*checkpoint-*"))
 
 
