@@ -3,7 +3,8 @@ answers (rules 1-3 of :mod:`grpo_dist.rewards.math`). Pure string work, without 
 references with it and a trainer process never imports the grader.
 
 ``last_boxed(text)``: the content of the last box. ``answer_parts(text)``: the final answer as a list of strings
-(several for a group of boxes; ``extract_answer`` in :mod:`grpo_dist.rewards.math` merges equivalent ones).
+(several for a group of boxes; ``extract_answer`` in :mod:`grpo_dist.rewards.math` merges equivalent ones);
+``answer_group(text)`` also says whether the parts are ordered (boxes labelled as the parts of a question).
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def _brace_span(text: str, start: int, limit: int):
     return None, None
 
 
+def box_contents(text: str) -> list:
+    """The contents of the last MAX_BOXES boxes, in text order."""
+    return [c for _, _, c in _box_spans(text)]
+
+
 def last_boxed(text: str):
     """Content of the last \\boxed{...} / \\fbox{...} (nested braces), or of `\\boxed 5`; None if absent."""
     spans = _box_spans(text)
@@ -86,6 +92,8 @@ def _box_spans(text: str) -> list:
 
 
 _GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+# the label of a question's part: "for part (a)", "part 2", "(b)" (not "f(a)")
+_PART_LABEL_RE = re.compile(r"(?i)\b(?:for\s+)?(?:the\s+)?part\s*\(?[a-z0-9]{1,3}\)?|(?<![A-Za-z])\([a-h]\)")
 _GAP_NOISE_RE = re.compile(
     r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
     r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
@@ -107,14 +115,30 @@ def _connective(gap: str) -> bool:
     return re.fullmatch(r"[\sA-Za-z,;.:$&()*/\-]*", g) is not None
 
 
-def _box_group(text: str, spans: list) -> list:
-    """Contents of the final answer group: the last box and the boxes chained to it."""
+def _box_group(text: str, spans: list) -> tuple[list, bool]:
+    """Contents of the final answer group (the last box and the boxes chained to it), and whether they are
+    the labelled parts of a question ("(a) ... (b) ...", "for part (a) and ..."): then their order counts."""
     group = [spans[-1]]
+    parts = False
     for prev in reversed(spans[:-1]):
-        if not _connective(text[prev[1]:group[0][0]]):
+        gap = text[prev[1]:group[0][0]]
+        labelled = _PART_LABEL_RE.search(gap) is not None
+        if not _connective(_PART_LABEL_RE.sub(" ", gap) if labelled else gap):
             break
+        parts = parts or labelled
         group.insert(0, prev)
-    return [c.strip() for _, _, c in group]
+    return [c.strip() for _, _, c in group], parts and len(group) > 1
+
+
+# Words right after a box that deny it: "\boxed{C} is wrong", "(C), no, that is not it"
+_DENIAL_RE = re.compile(
+    r"(?i)^[\s$.,;:)\]}]*(?:(?:which|that|this|it)\s+)?(?:is|was|would\s+be|seems)\s+(?:not|wrong|incorrect|false)\b|"
+    r"^[\s$.,;:)\]}]*(?:no|nope|wait)\b[\s,.!]+(?:that|this|it)\s*(?:is|'s)\s+(?:not|wrong|incorrect)")
+
+
+def denied(after: str) -> bool:
+    """True when the words that follow an answer deny it (a hack: name the option, then take it back)."""
+    return _DENIAL_RE.match(after[:80]) is not None
 
 
 _PHRASE_RE = re.compile(
@@ -191,6 +215,40 @@ def _phrase_matches(text: str, start: int) -> list:
 
 def answer_parts(text: str):
     """The final answer of a completion as a list of strings (several for a box group)."""
+    return answer_group(text)[0]
+
+
+def split_top_level(s: str) -> list:
+    """``(2,2), (0,1)`` -> ``["(2,2)", "(0,1)"]``: the items of a list split at commas and semicolons outside
+    brackets."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c in ",;" and depth == 0 and s[max(0, i - 1):i] != "\\":
+            out.append(s[start:i].strip())
+            start = i + 1
+    out.append(s[start:].strip())
+    return [x for x in out if x]
+
+
+_PERCENT_AFTER_RE = re.compile(r"(?i)\d\s*(?:%|per\s*cent|pct)")
+_NUMBER_RE = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:/\d+)?(?![\w.])")
+
+
+def _number_in_words(ans: str):
+    """A final-answer sentence in words with exactly one number in it ("Jane started 3 hours ago") -> "3"."""
+    if "$" in ans or "\\" in ans or not _has_prose(ans) or len(ans.split()) < 3 or _PERCENT_AFTER_RE.search(ans):
+        return None  # "35 percent" is a percent answer, not the number 35
+    nums = _NUMBER_RE.findall(ans)
+    return nums[0] if len(nums) == 1 and len(re.findall(r"\d+", ans)) == len(re.findall(r"\d+", nums[0])) else None
+
+
+def answer_group(text: str):
+    """(parts, ordered): answer_parts, and whether the parts are the ordered answers of a question's parts.
+    None parts when there is no answer (or it is denied by the words after it)."""
     spans = _box_spans(text)
     box_pos = spans[-1][0] if spans else -1
     later = [(m.start(), "phrase", m) for m in _phrase_matches(text, max(box_pos, 0))]
@@ -203,11 +261,15 @@ def answer_parts(text: str):
         else:
             ans = _phrase_answer(text[m.end():m.end() + MAX_ANSWER_CHARS + 10])
         if ans and (box_pos < 0 or _gradeable(ans)):
-            return [ans]
+            if box_pos < 0:
+                ans = _number_in_words(ans) or ans
+            return [ans], False
     if spans:
+        if denied(text[spans[-1][1]:]):
+            return None, False
         return _box_group(text, spans)
     bare = _bare_answer(text)
-    return [bare] if bare else None
+    return ([bare] if bare else None), False
 
 
 _DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
