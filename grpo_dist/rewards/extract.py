@@ -49,9 +49,21 @@ def _brace_span(text: str, start: int, limit: int):
     return None, None
 
 
-def box_contents(text: str) -> list:
-    """The contents of the last MAX_BOXES boxes, in text order."""
-    return [c for _, _, c in _box_spans(text)]
+def reference_boxes(text: str) -> list:
+    """The answer boxes of a reference: the last box group, where a gap may also name what the value before it
+    counts (``\\boxed{1} papers and \\boxed{2} bins``: a joining word and at most two other words)."""
+    spans = _box_spans(text)
+    if not spans:
+        return []
+    group = [spans[-1]]
+    for prev in reversed(spans[:-1]):
+        gap = text[prev[1]:group[0][0]]
+        words = re.findall(r"[A-Za-z]+", gap)
+        joined = any(w.lower() in ("and", "or") for w in words) or "," in gap or ";" in gap
+        if not (_connective(gap) or (joined and len(words) <= 3 and len(gap) <= 40)):
+            break
+        group.insert(0, prev)
+    return [c for _, _, c in group]
 
 
 def last_boxed(text: str):
@@ -95,7 +107,7 @@ _GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{
 # the label of a question's part: "for part (a)", "part 2", "(b)" (not "f(a)")
 _PART_LABEL_RE = re.compile(r"(?i)\b(?:for\s+)?(?:the\s+)?part\s*\(?[a-z0-9]{1,3}\)?|(?<![A-Za-z])\([a-h]\)")
 _GAP_NOISE_RE = re.compile(
-    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
+    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ()\[\]])|"
     r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
 )
 # words that join boxes into one answer (a list, or a hedge between alternatives)
@@ -282,6 +294,7 @@ def _has_prose(t: str) -> bool:
     global _UNIT_WORD_SET
     if _UNIT_WORD_SET is None:
         _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", UNIT_WORDS)}
+        _UNIT_WORD_SET |= {"percent", "percentage"}  # "28 percent" is 28 %
     bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
     for w in re.findall(r"[A-Za-z]+", bare):
         lw = w.lower()

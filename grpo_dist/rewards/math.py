@@ -148,7 +148,7 @@ import mpmath
 import sympy
 
 from grpo_dist.rewards.extract import (
-    MATH_WORDS, MAX_ANSWER_CHARS, UNIT_WORDS, answer_group, answer_parts, box_contents, split_top_level,
+    MATH_WORDS, MAX_ANSWER_CHARS, UNIT_WORDS, answer_group, answer_parts, reference_boxes, split_top_level,
 )
 from grpo_dist.rewards.parser import (
     EVAL_DPS, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
@@ -192,8 +192,8 @@ def extract_answer(text: str) -> str | None:
 
 def _reference_answer(reference: str) -> str:
     reference = normalize_unicode(reference)
-    boxes = box_contents(reference) if "\\boxed" in reference or "\\fbox" in reference else []
-    if len(boxes) > 1:  # "\boxed{1} papers and \boxed{2} bins": a reference's boxes are all its answer, in order
+    boxes = reference_boxes(reference) if "\\boxed" in reference or "\\fbox" in reference else []
+    if len(boxes) > 1:  # "\boxed{1} papers and \boxed{2} bins": one answer of several values, in order
         return ", ".join(c.strip() for c in boxes)
     if "\\boxed" in reference or "\\fbox" in reference or "####" in reference:
         ans = extract_answer(reference)
@@ -314,7 +314,7 @@ def clean_answer(s: str) -> str:
     s = re.sub(r",\\!\s*", ",", s)
     s = re.sub(r"\\[,!]", "", s)  # thin spaces: thousands separators (12\\,345)
     s = re.sub(r"\\[;:]", " ", s)
-    s = re.sub(r"\\ |\\q?quad(?![A-Za-z])|~", " ", s)
+    s = re.sub(r"\\ |\\q?quad|~", " ", s)  # \quadx_2: a space, even when a letter follows
     s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
@@ -776,7 +776,7 @@ def values_equiv(a, b, dec: bool) -> bool:
         if isinstance(a, Multi) and isinstance(b, Multi):
             if _labelled_assignment(a) != _labelled_assignment(b):  # 6, 7 vs PQ=6, RS=7
                 return _ordered(a.items, b.items, dec)
-            return _unordered(a.items, b.items, dec)
+            return _unordered(_dedupe_set(a.items, dec), _dedupe_set(b.items, dec), dec)  # a solution listed twice
         other = b if isinstance(a, Multi) else a
         multi = a if isinstance(a, Multi) else b
         if (not isinstance(other, (SetV, Tup, UnionV)) and len(multi.items) <= MAX_ITEMS
