@@ -69,6 +69,9 @@ def test_chain_rule_matches_math_verify():
     ("Final answer: the tank holds 40 liters after refilling.", "40"),     # one number in the words
     ("Final answer: the tank holds 40 liters and 2 buckets.", "the tank holds 40 liters and 2 buckets"),  # two
     ("The answer is: 35 percent.", "35 percent"),                          # a percent, not the number 35
+    ("Therefore $y \\le 4$ is the solution.", "y \\le 4"),                  # one segment, pointed at
+    ("Therefore $y \\le 4$ is not the solution.", None),
+    ("Therefore $y \\le 4$ or $y = 5$ is the solution.", None),
 ])
 def test_extraction(text, expected):
     assert extract_answer(text) == expected

@@ -303,6 +303,10 @@ def _has_prose(t: str) -> bool:
     return False
 
 
+_POINTING_TAIL_RE = re.compile(
+    r"(?i)\s*(?:is|are)\s+(?:the|our|my)\s+(?:final\s+)?(?:answer|solution|result)s?\s*[.!]?\s*")
+
+
 def _bare_answer(text: str):
     """A completion that is nothing but an answer (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``).
 
@@ -321,7 +325,9 @@ def _bare_answer(text: str):
         inner = next(g for g in m.groups() if g is not None).strip()
         return inner if inner and "$" not in inner else None
     segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
-    if (len(segs) == 1 and re.fullmatch(r"[\s.!]*", t[segs[0].end():])
+    # ... or before a short clause that points at it: "Therefore $x \ge 5$ is the solution."
+    tail = t[segs[0].end():] if len(segs) == 1 else ""
+    if (len(segs) == 1 and (re.fullmatch(r"[\s.!]*", tail) or _POINTING_TAIL_RE.fullmatch(tail))
             and re.search(r"[A-Za-z]{2}", t[:segs[0].start()])):
         inner = next(g for g in segs[0].groups() if g is not None).strip()
         return inner or None
