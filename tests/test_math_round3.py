@@ -19,7 +19,8 @@ with open(os.path.join(HERE, "data", "math_cases_round3.jsonl"), encoding="utf-8
     CASES = [json.loads(line) for line in _f if line.strip()]
 
 CATEGORIES = ["solution_set", "assignment", "labelled_value", "interval_function", "abs_union", "multi_part",
-              "set_braces", "percent_word", "phrase_number", "chain_last_side", "choice_denied", "order_matters"]
+              "set_braces", "percent_word", "phrase_number", "chain_last_side", "choice_denied", "order_matters",
+              "over_escaped"]
 
 
 def test_every_category_both_ways():

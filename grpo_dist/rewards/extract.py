@@ -252,6 +252,7 @@ _NUMBER_RE = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:/\d+)?(?![\w.])")
 
 def _number_in_words(ans: str):
     """A final-answer sentence in words with exactly one number in it ("Jane started 3 hours ago") -> "3"."""
+    ans = re.sub(r"\$[^$\d]{1,40}\$", " ", ans)  # "the domain of $f(x)$ is 19": math without a number is words
     if "$" in ans or "\\" in ans or not _has_prose(ans) or len(ans.split()) < 3 or _PERCENT_AFTER_RE.search(ans):
         return None  # "35 percent" is a percent answer, not the number 35
     nums = _NUMBER_RE.findall(ans)

@@ -306,6 +306,8 @@ def _strip_thousands(s: str) -> str:
 def clean_answer(s: str) -> str:
     """Strip LaTeX noise, units, degrees and separators from an answer string."""
     s = normalize_unicode(s)
+    if "\\begin" not in s:  # \\frac (a doubly escaped string) is \frac; in a matrix \\ ends a row
+        s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", s)
     s = s.replace("\\$", " ").replace("$", " ")
     s = re.sub(r"\\[\[\]()]", " ", s)
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|bigg|Bigg|displaystyle|textstyle)(?![A-Za-z])", "", s)

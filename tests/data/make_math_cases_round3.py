@@ -114,6 +114,16 @@ raw("phrase_number", "Working it out, s = 3.\nFinal Answer: Kim started the seco
 raw("phrase_number", "Final answer: Kim ran 3 laps in 4 minutes.", "3", 0)
 raw("phrase_number", "Final answer: Kim ran 3 or 4 laps.", "3", 0)
 raw("phrase_number", "Final answer: Kim ran three laps.", "3", 0)
+raw("phrase_number", "Final Answer: The number of zeros of $g(x)$ on the interval is 6.", "6", 1)
+raw("phrase_number", "Final Answer: The number of zeros of $g(x)$ on the interval is 6.", "5", 0)
+raw("phrase_number", "Final Answer: There are 6 zeros of $g(x)$ on 2 intervals.", "6", 0)
+
+# over_escaped: a doubly escaped string (\\frac) is read as LaTeX, outside matrices where \\ ends a row
+add("over_escaped", "\\left(\\frac{1}{5}, \\frac{1}{6}\\right)", "\\\\left(\\\\frac{1}{5},\\\\frac{1}{6}\\\\right)", 1)
+add("over_escaped", "\\\\frac{3}{4}", "0.75", 1)
+add("over_escaped", "\\left(\\frac{1}{6}, \\frac{1}{5}\\right)", "\\\\left(\\\\frac{1}{5},\\\\frac{1}{6}\\\\right)", 0)
+add("over_escaped", "\\\\frac{3}{5}", "0.75", 0)
+add("over_escaped", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\end{pmatrix}", 0)
 
 # chain_last_side: an equality chain answers with its last side (math-verify's rule); before an \approx, with
 # the exact side before it
