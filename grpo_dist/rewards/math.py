@@ -17,8 +17,9 @@ Grading rules
 -------------
 A grader that pays for hedging teaches the policy to hedge, so every rule below
 says both what is accepted and what is refused.  Each rule has pass and fail
-cases in ``tests/data/math_cases_round2.jsonl`` (the category in brackets),
-checked by ``tests/test_math_round2.py``.
+cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
+``tests/data/math_cases_round3.jsonl`` (the category in brackets), checked by
+``tests/test_math_round2.py`` and ``tests/test_math_round3.py``.
 
 1. Which box counts [boxed_list, hedge].  The answer is the *last* ``\\boxed{}``
    / ``\\fbox{}`` together with the boxes chained to it: a box belongs to the
@@ -30,6 +31,14 @@ checked by ``tests/test_math_round2.py``.
    equals the reference ``-4, 2`` but never ``2``.  An earlier box separated by
    other words ("then", a paragraph of work) is not part of the answer: the
    later box replaces it.  Only the last MAX_BOXES boxes are looked at.
+   Boxes labelled as the parts of a question [multi_part] (``(a) \\boxed{12};
+   (b) \\boxed{7}``, ``\\boxed{..} for part (a) and \\boxed{..}``) are compared
+   with the reference's list *in order*, part by part; other groups in any
+   order.  A box followed by words denying it (``\\boxed{C} is wrong``,
+   ``..., no, that is not it``) is no answer [choice_denied].  In a *reference*
+   every box of the last group is its answer, and a gap of a joining word and
+   at most two other words also joins (``\\boxed{1} papers and \\boxed{2} bins``
+   is ``1, 2``).
 2. Final-answer phrases [final_phrase].  ``Final answer: ...`` / ``final
    answer is ...`` / ``answer: ...`` / ``The answer is: ...`` (a colon is
    required after a bare "answer is"; prose such as "the answer is 42" is not a
@@ -39,13 +48,18 @@ checked by ``tests/test_math_round2.py``.
    than math words and units) or an option letter, so "the answer is: correct"
    or "verify the answer: substitute x = 3 ..." after a box does not.  The phrase answer is the first ``$...$`` or
    the sentence up to its full stop; "The smallest $k$ is 12" gives ``12``.
+   With no box, a phrase answer in words with exactly one number in it is that
+   number [phrase_number]: "Final Answer: Jane started 3 hours ago" gives
+   ``3``; two numbers ("3 laps in 4 minutes"), none ("three"), or a percent
+   ("35 percent") keep the words.
 3. Bare answers.  A completion with no box and no marker that is itself only
    an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
    one math delimiter pair or without prose words -- is its own answer
    (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``); a one-line sentence whose only
    math is one delimited segment at its end gives that segment ("The answer is
-   $5$." -> 5).  Prose without math markup ("The answer is 42.") and sentences
-   with several segments give no answer.
+   $5$." -> 5), also before a short clause pointing at it ("Therefore $x \\ge 5$
+   is the solution.").  Prose without math markup ("The answer is 42.") and
+   sentences with several segments give no answer.
 4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
    ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
    list (unordered, same length) and **never equals a single value**:
@@ -53,11 +67,20 @@ checked by ``tests/test_math_round2.py``.
    their values and 1 against the reference list.  Tuples and intervals are
    ordered and their brackets must match; sets are unordered and deduplicated.
    A list whose items are all one value (``\\frac12 or 0.5``) is that value.
+   Solution sets [solution_set]: a list joined by ``,`` ``;`` ``or`` ``and``
+   (also written ``(11,7)or(7,11)``) or in set braces equals the same
+   solutions in any order, a solution listed twice counting once; each tuple
+   inside stays ordered (``(3,1) or (4,2)`` is not ``(1,3),(4,2)``).  The
+   grader never sees the problem, so a reference list is read as "all the
+   solutions"; a question whose answer is one ordered tuple writes it in
+   brackets.
 5. Multiple choice [choice].  When the reference is an option letter (``C``,
    ``(C)``, ``\\text{(C)}``) the answer must name **exactly one** option and it
    must be that one.  Options are ``(X)`` or a lone capital letter (``C.``,
    ``C:``, ``C 7``); ``(A)(B)(C)(D)(E)``, ``(B) or (C)``, ``C. 7, D. 9`` and
-   "(C) is wrong, the answer is (D)" name several and get 0.  A reference
+   "(C) is wrong, the answer is (D)" name several and get 0; an answer that
+   names the option with a denial (``(C) is not correct``, "C, no, that is
+   wrong") gets 0.  A reference
    that gives the option and its value (``\\textbf{(C) } 12``) accepts an answer
    naming only that option, or, when the answer names no option, its value.
 6. Labels and chains [labelled, chained].  A label on the left -- a variable,
@@ -84,19 +107,29 @@ checked by ``tests/test_math_round2.py``.
    variable inequality equals the interval it defines (``1 \\le x < 5`` =
    ``[1, 5)``, ``2x - 4 \\ge 0`` = ``[2, \\infty)``, ``|x| \\le 2`` = ``[-2, 2]``,
    ``|x-1| > 2`` and ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
+   The function or quantity an inequality names is its variable
+   [interval_function]: ``0 < f(x) < 1`` = ``(0, 1)``, ``f(x) > 1`` =
+   ``(1, \\infty)``; ``x \\in S`` is ``S``.  A band of an absolute value
+   [abs_union] is the union it defines: ``1 \\le |z| \\le 5`` =
+   ``[-5,-1] \\cup [1,5]`` (bounds and their brackets must match).
 8. Number formats [number_format, repeating_decimal, percent_words,
    units_text].  Thousands separators ``,``, ``{,}``, ``\\,``, ``\\ `` and plain
    spaces (``2 500``) are dropped (groups of exactly three digits).  A decimal
    comma (``3,5``, ``0,75``) is read as a decimal point only when the other side
    is a single value (has no comma) -- ``1,500`` is always fifteen hundred.
    ``0.\\overline{6}`` / ``0.8\\overline{3}`` / ``0.(6)`` are the exact fractions.
-   ``35 percent`` / ``35 pct`` are ``35\\%`` (which matches ``35`` and ``0.35``).
+   ``35 percent`` / ``35 pct`` / ``35 percentage`` are ``35\\%`` (which matches
+   ``35`` and ``0.35``) [percent_word].  A doubly escaped string (``\\\\frac``)
+   is read as LaTeX outside matrices [over_escaped].
    Units in ``\\text``/``\\textnormal``/``\\mathrm`` and common unit words after a
    number are dropped.
 9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
    ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
    ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``; a set-builder ``\\{x \\mid x > 2\\}`` is
-   its condition (so it equals ``(2, \\infty)``).
+   its condition (so it equals ``(2, \\infty)``).  Set braces doubled, or with
+   a TeX group inside (``\\{\\{1,4\\}\\}``, ``\\{{1,4}\\}``, ``{{1,4}}``), are one
+   set [set_braces]; ``\\{\\{1\\},\\{4\\}\\}`` stays a set of sets (``\\{1\\}`` is not
+   ``1`` inside a set).
 10. Unicode [unicode].  Zero-width characters are dropped, ``x²`` is ``x^{2}``,
     ``½`` is ``\\frac{1}{2}`` (``2½`` = 5/2), ``−``, ``×``, ``π``, ``√``, ``≤`` ...
     become LaTeX, then NFKC folds full-width digits (``１２`` = 12).
