@@ -20,7 +20,7 @@ with open(os.path.join(HERE, "data", "math_cases_round3.jsonl"), encoding="utf-8
 
 CATEGORIES = ["solution_set", "assignment", "labelled_value", "interval_function", "abs_union", "multi_part",
               "set_braces", "percent_word", "phrase_number", "chain_last_side", "choice_denied", "order_matters",
-              "over_escaped"]
+              "over_escaped", "reference_form"]
 
 
 def test_every_category_both_ways():

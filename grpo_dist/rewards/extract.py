@@ -179,6 +179,9 @@ def _leading_segment(line: str):
     return body[:q].strip() or None
 
 
+_QUOTED_RE = re.compile(r'^\\?"([^"]*?)\\?"')
+
+
 def _phrase_answer(rest: str):
     """The answer stated right after a final-answer phrase (its first non-empty line)."""
     lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
@@ -189,6 +192,7 @@ def _phrase_answer(rest: str):
     if seg is not None:
         return seg
     line = _LEAD_RE.sub("", line, count=1) if _LEAD_RE.match(line) else line
+    line = _QUOTED_RE.sub(r"\1", line)  # the final answer is "$12$ and $13$". I hope...
     seg = _leading_segment(line)
     if seg is not None:
         return seg

@@ -228,11 +228,14 @@ def _reference_answer(reference: str) -> str:
     boxes = reference_boxes(reference) if "\\boxed" in reference or "\\fbox" in reference else []
     if len(boxes) > 1:  # "\boxed{1} papers and \boxed{2} bins": one answer of several values, in order
         return ", ".join(c.strip() for c in boxes)
-    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference:
-        ans = extract_answer(reference)
+    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference or _WORKED_RE.search(reference):
+        ans = extract_answer(reference)  # a worked solution: its final answer
         if ans is not None:
             return ans.strip()
     return reference.strip()
+
+
+_WORKED_RE = re.compile(r"(?i)final\s+answer")
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -345,6 +348,7 @@ def clean_answer(s: str) -> str:
     s = re.sub(r"\\[\[\]()]", " ", s)
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|bigg|Bigg|displaystyle|textstyle)(?![A-Za-z])", "", s)
     s = s.replace("\\\\", "\x01")  # protect LaTeX row separators
+    s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d)", ",", s)  # 14{,}916, 14 {, }916
     s = s.replace("{,}", ",")
     s = re.sub(r",\\!\s*", ",", s)
     s = re.sub(r"\\[,!]", "", s)  # thin spaces: thousands separators (12\\,345)

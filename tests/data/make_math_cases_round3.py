@@ -160,6 +160,16 @@ add("order_matters", "x=2, y=1", "(2,1)", 1)
 add("order_matters", "(x,y) = (2,1)", "(2,1)", 1)
 add("order_matters", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1,2)", 1)
 
+# reference_form: a worked solution as the reference gives its final answer; number and quote forms
+W = "Let $x$ be the price. Then $2x = 30$, so $x = 15$. Final Answer: The final answer is $15$. I hope it is correct."
+raw("reference_form", "So the price is $\\boxed{15}$.", W, 1)
+raw("reference_form", "So the price is $\\boxed{30}$.", W, 0)
+add("reference_form", "14 {, }916", "14{,}916", 1)
+add("reference_form", "14 {, }917", "14{,}916", 0)
+raw("reference_form", "Final Answer: The final answer is \\\"$4$ and $9$\\\". I hope it is correct.", "4, 9", 1)
+raw("reference_form", "Final Answer: The final answer is \\\"$4$ and $8$\\\". I hope it is correct.", "4, 9", 0)
+raw("reference_form", "Final Answer: The final answer is \\\"$4$\\\". I hope it is correct.", "4, 9", 0)
+
 with open(sys.argv[1], "w", encoding="utf-8") as f:
     for c in C:
         f.write(json.dumps(c) + "\n")
