@@ -73,6 +73,9 @@ def test_chain_rule_matches_math_verify():
     ("Therefore $y \\le 4$ is the solution.", "y \\le 4"),                  # one segment, pointed at
     ("Therefore $y \\le 4$ is not the solution.", None),
     ("Therefore $y \\le 4$ or $y = 5$ is the solution.", None),
+    ("Answer \\[\n  12 \\]", "12"),                                        # "Answer" then display math
+    ("Final answer:\n$$\n\\frac{3}{4}\n$$", "\\frac{3}{4}"),
+    ("The answer \\[ 12 \\] is what we check next, then $\\boxed{13}$.", "13"),  # not at a line start
 ])
 def test_extraction(text, expected):
     assert extract_answer(text) == expected

@@ -154,7 +154,8 @@ def denied(after: str) -> bool:
 
 
 _PHRASE_RE = re.compile(
-    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:)[\s*_]*:?\s*", re.I)
+    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:|"
+    r"(?<![^\n])[*_]*Answer[*_]*[ \t]*(?=\$\$|\\\[))[\s*_]*:?\s*", re.I)  # a line "Answer \[ 9 \]"
 _LEAD_RE = re.compile(
     r"(?i)(?:the|so|thus|hence|therefore|it|this|that|our|we|a|an|my)\b[^=]{0,80}?\s"
     r"(?:is|are|equals|was|be|gives|get)\s*:?\s+(?=\S)"
@@ -182,8 +183,15 @@ def _leading_segment(line: str):
 _QUOTED_RE = re.compile(r'^\\?"([^"]*?)\\?"')
 
 
+_DISPLAY_RE = re.compile(r"\s*(?:\$\$(.{1,400}?)\$\$|\\\[(.{1,400}?)\\\])", re.S)
+
+
 def _phrase_answer(rest: str):
-    """The answer stated right after a final-answer phrase (its first non-empty line)."""
+    """The answer stated right after a final-answer phrase (its first non-empty line, or the display math that
+    starts there, over several lines)."""
+    m = _DISPLAY_RE.match(rest)
+    if m and "\n" in m.group(0):
+        return (m.group(1) or m.group(2) or "").strip() or None
     lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
     line = next((ln for ln in lines if ln), "")
     if not line:
