@@ -1,7 +1,8 @@
 """Benchmark a math grader: accuracy on a labelled set, hostile inputs, throughput.
 
     python bench/grader.py --grader ours                # labelled set + hostile set
-    python bench/grader.py --grader math-verify         # needs: pip install math-verify
+    python bench/grader.py --grader math-verify         # needs: pip install 'grpo_dist[math-verify]'
+    python bench/public_pairs.py MATH_VERIFY_CHECKOUT/tests /tmp/pairs.jsonl   # the public-suite pairs
     python bench/grader.py --grader ours --throughput   # RewardComputer completions/s
     python bench/grader.py --cases tests/data/math_cases_round2.jsonl --skip-hostile \
         --math-verify-python /tmp/mv-venv/bin/python    # ours and math-verify, per category
@@ -45,11 +46,10 @@ def ours_reward(completion: str, reference: str) -> float:
 
 
 def math_verify_reward(completion: str, reference: str) -> float:
-    """math-verify 0.9 used the way most GRPO trainers call it."""
-    from math_verify import parse, verify
-    gold = parse("$" + reference + "$")
-    pred = parse(completion)
-    return 1.0 if verify(gold, pred) else 0.0
+    """math-verify 0.9 the way most GRPO trainers call it: grpo_dist.rewards:math_verify_reward (the reference in
+    $...$ unless it has delimiters, default extraction of the completion)."""
+    from grpo_dist.rewards.mathverify import math_verify_reward as reward
+    return reward(completion, reference)
 
 
 def _function(name: str):
@@ -79,19 +79,23 @@ def _label(c: dict) -> int:
 
 
 def grade_all(grader: str, cases: list) -> tuple:
-    """(grades, latencies in s) of one grader on every case, in-process."""
+    """(grades, latencies in s, CPU seconds) of one grader on every case, in-process. The CPU time of this thread
+    is the steadier figure on a shared machine, where the wall time also counts the other processes' turns."""
     fn = _function(grader)
     fn(cases[0]["completion"], cases[0]["reference"])  # warm-up (imports, caches)
-    got, lat = [], []
+    got, lat, cpu = [], [], []
     for c in cases:
-        t = time.perf_counter()
+        t, t_cpu = time.perf_counter(), time.thread_time()
         try:
             v = fn(c["completion"], c["reference"])
-        except Exception:  # noqa: BLE001 - a crash counts as 0.0
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - a crash or a timeout (math-verify's alarm) counts as 0.0
             v = 0.0
         lat.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - t_cpu)
         got.append(1 if v == 1.0 else 0)
-    return got, lat
+    return got, lat, cpu
 
 
 def _category_table(cases: list, columns: dict) -> None:
@@ -118,25 +122,25 @@ def _math_verify_subprocess(python: str, path: str) -> tuple:
     with open(out, encoding="utf-8") as f:
         res = json.load(f)
     os.unlink(out)
-    return res["grades"], res["latency_s"]
+    return res["grades"], res["latency_s"], res["cpu_s"]
 
 
 def bench_labelled(grader: str, path: str, per_category: bool = False, mv_python: str | None = None,
-                   grades_out: str | None = None, quiet: bool = False) -> None:
+                   grades_out: str | None = None, quiet: bool = False) -> dict:
     cases = load_jsonl(path)
-    gots, lat = grade_all(grader, cases)
+    gots, lat, cpu = grade_all(grader, cases)
     if grades_out:
         with open(grades_out, "w", encoding="utf-8") as f:
-            json.dump({"grades": gots, "latency_s": lat}, f)
+            json.dump({"grades": gots, "latency_s": lat, "cpu_s": cpu}, f)
     if quiet:
-        return
+        return {}
     columns = {grader: gots}
     if mv_python:
-        mv_got, mv_lat = _math_verify_subprocess(mv_python, path)
+        mv_got, mv_lat, mv_cpu = _math_verify_subprocess(mv_python, path)
         columns["math-verify"] = mv_got
-    _report(grader, path, cases, gots, lat)
+    figures = {grader: _report(grader, path, cases, gots, lat, cpu)}
     if mv_python:
-        _report("math-verify", path, cases, mv_got, mv_lat)
+        figures["math-verify"] = _report("math-verify", path, cases, mv_got, mv_lat, mv_cpu)
     if per_category or mv_python:
         _category_table(cases, columns)
     if mv_python:
@@ -147,9 +151,10 @@ def bench_labelled(grader: str, path: str, per_category: bool = False, mv_python
                 c = cases[k]
                 print(f"    [{c.get('category', '?')}] ref={c['reference']!r} label={_label(c)} "
                       f"completion={c['completion'][-80:]!r}")
+    return figures
 
 
-def _report(grader: str, path: str, cases: list, gots: list, lat: list) -> None:
+def _report(grader: str, path: str, cases: list, gots: list, lat: list, cpu: list) -> dict:
     fp, fn_, miss = 0, 0, Counter()
     for c, got in zip(cases, gots):
         if got != _label(c):
@@ -163,12 +168,17 @@ def _report(grader: str, path: str, cases: list, gots: list, lat: list) -> None:
           f"({sum(_label(c) for c in cases)} positive)")
     print(f"  accuracy {100.0 * (n - fp - fn_) / n:.1f}%  false positives {fp}  false negatives {fn_}")
     print(f"  latency p50 {1e3 * statistics.median(lat):.2f} ms  p99 {1e3 * pct(lat, 0.99):.2f} ms  "
-          f"max {1e3 * max(lat):.2f} ms")
+          f"max {1e3 * max(lat):.2f} ms  (CPU time p50 {1e3 * statistics.median(cpu):.2f} ms  "
+          f"p99 {1e3 * pct(cpu, 0.99):.2f} ms; load average {os.getloadavg()[0]:.1f})")
     if miss:
         print("  misses by category: " + ", ".join(f"{k} {v}" for k, v in miss.most_common()))
+    return {"cases": n, "accuracy_pct": round(100.0 * (n - fp - fn_) / n, 1), "false_positives": fp,
+            "false_negatives": fn_, "p50_ms": round(1e3 * statistics.median(lat), 2),
+            "p99_ms": round(1e3 * pct(lat, 0.99), 2), "max_ms": round(1e3 * max(lat), 1),
+            "cpu_p50_ms": round(1e3 * statistics.median(cpu), 2), "cpu_p99_ms": round(1e3 * pct(cpu, 0.99), 2)}
 
 
-def bench_hostile(grader: str, path: str, timeout: float) -> None:
+def bench_hostile(grader: str, path: str, timeout: float) -> dict:
     from grpo_dist.rewards import RewardComputer
     cases = load_jsonl(path)
     marker_dir = tempfile.mkdtemp(prefix="grader_hostile_")
@@ -198,6 +208,8 @@ def bench_hostile(grader: str, path: str, timeout: float) -> None:
         print("  rewarded: " + ", ".join(rewarded))
     if created:
         print("  EXECUTED MODEL TEXT: " + ", ".join(created))
+    return {"cases": len(cases), "over_1s": len(slow), "nonzero": len(rewarded), "markers": len(created),
+            "max_ms": round(1e3 * max(lat), 1)}
 
 
 def gsm8k_mix(path: str, limit: int) -> tuple:
@@ -253,13 +265,16 @@ def main(argv=None) -> None:
                     help="GSM8K test file (default: from the $GRPO_DIST_DATA_DIR mirror)")
     ap.add_argument("--limit", type=int, default=1319, help="GSM8K references used for throughput")
     args = ap.parse_args(argv)
+    figures: dict = {}
     if not args.skip_labelled:
-        bench_labelled(args.grader, args.cases, args.per_category, args.math_verify_python,
-                       args.grades_out, args.quiet)
+        figures["labelled"] = bench_labelled(args.grader, args.cases, args.per_category, args.math_verify_python,
+                                             args.grades_out, args.quiet)
     if not args.skip_hostile:
-        bench_hostile(args.grader, args.hostile, args.hostile_timeout)
+        figures["hostile"] = bench_hostile(args.grader, args.hostile, args.hostile_timeout)
     if args.throughput:
         bench_throughput(args.grader, args.gsm8k, args.workers, args.limit)
+    if not args.quiet:
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -295,7 +295,9 @@ class GRPOConfig:
                        "sequence classifier with num_labels=1), weight, name, batch_size: 8, max_length} | {url: "
                        "http://... (POST the batch as JSON -> {rewards: [...]}), weight, name, timeout_s (per "
                        "request; default reward_timeout_s x batch size), max_retries: 2}; None scores are left out "
-                       "of the weighted sum (grpo_dist.rewards.batch)")
+                       "of the weighted sum (grpo_dist.rewards.batch). Math graders: grpo_dist.rewards:math_reward, "
+                       "or grpo_dist.rewards:math_verify_reward (math-verify, as TRL; pip install "
+                       "'grpo_dist[math-verify]'; docs/grading.md)")
     scale_rewards: str = _f("group", "std used to scale advantages: group | batch | none (Dr. GRPO)",
                             ("group", "batch", "none"))
     skip_zero_advantage_groups: bool = _f(False, "drop groups whose advantages are all zero from the update")

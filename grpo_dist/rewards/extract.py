@@ -3,7 +3,8 @@ answers (rules 1-3 of :mod:`grpo_dist.rewards.math`). Pure string work, without 
 references with it and a trainer process never imports the grader.
 
 ``last_boxed(text)``: the content of the last box. ``answer_parts(text)``: the final answer as a list of strings
-(several for a group of boxes; ``extract_answer`` in :mod:`grpo_dist.rewards.math` merges equivalent ones).
+(several for a group of boxes; ``extract_answer`` in :mod:`grpo_dist.rewards.math` merges equivalent ones);
+``answer_group(text)`` also says whether the parts are ordered (boxes labelled as the parts of a question).
 """
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ def _brace_span(text: str, start: int, limit: int):
     return None, None
 
 
+def reference_boxes(text: str) -> list:
+    """The answer boxes of a reference: the last box group, where a gap may also name what the value before it
+    counts (``\\boxed{1} papers and \\boxed{2} bins``: a joining word and at most two other words)."""
+    spans = _box_spans(text)
+    if not spans:
+        return []
+    group = [spans[-1]]
+    for prev in reversed(spans[:-1]):
+        gap = text[prev[1]:group[0][0]]
+        words = re.findall(r"[A-Za-z]+", gap)
+        joined = any(w.lower() in ("and", "or") for w in words) or "," in gap or ";" in gap
+        if not (_connective(gap) or (joined and len(words) <= 3 and len(gap) <= 40)):
+            break
+        group.insert(0, prev)
+    return [c for _, _, c in group]
+
+
 def last_boxed(text: str):
     """Content of the last \\boxed{...} / \\fbox{...} (nested braces), or of `\\boxed 5`; None if absent."""
     spans = _box_spans(text)
@@ -86,8 +104,10 @@ def _box_spans(text: str) -> list:
 
 
 _GAP_WRAP_RE = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+# the label of a question's part: "for part (a)", "part 2", "(b)" (not "f(a)")
+_PART_LABEL_RE = re.compile(r"(?i)\b(?:for\s+)?(?:the\s+)?part\s*\(?[a-z0-9]{1,3}\)?|(?<![A-Za-z])\([a-h]\)")
 _GAP_NOISE_RE = re.compile(
-    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ])|"
+    r"\\(?:quad|qquad|lor|vee|[,;:!\\ ()\[\]])|"
     r"(?:[A-Za-z]{1,3}(?:_\{?\w{1,3}\}?)?|\([a-z]\))\s*(?:=|:)|\([a-z]\)"
 )
 # words that join boxes into one answer (a list, or a hedge between alternatives)
@@ -107,18 +127,35 @@ def _connective(gap: str) -> bool:
     return re.fullmatch(r"[\sA-Za-z,;.:$&()*/\-]*", g) is not None
 
 
-def _box_group(text: str, spans: list) -> list:
-    """Contents of the final answer group: the last box and the boxes chained to it."""
+def _box_group(text: str, spans: list) -> tuple[list, bool]:
+    """Contents of the final answer group (the last box and the boxes chained to it), and whether they are
+    the labelled parts of a question ("(a) ... (b) ...", "for part (a) and ..."): then their order counts."""
     group = [spans[-1]]
+    parts = False
     for prev in reversed(spans[:-1]):
-        if not _connective(text[prev[1]:group[0][0]]):
+        gap = text[prev[1]:group[0][0]]
+        labelled = _PART_LABEL_RE.search(gap) is not None
+        if not _connective(_PART_LABEL_RE.sub(" ", gap) if labelled else gap):
             break
+        parts = parts or labelled
         group.insert(0, prev)
-    return [c.strip() for _, _, c in group]
+    return [c.strip() for _, _, c in group], parts and len(group) > 1
+
+
+# Words right after a box that deny it: "\boxed{C} is wrong", "(C), no, that is not it"
+_DENIAL_RE = re.compile(
+    r"(?i)^[\s$.,;:)\]}]*(?:(?:which|that|this|it)\s+)?(?:is|was|would\s+be|seems)\s+(?:not|wrong|incorrect|false)\b|"
+    r"^[\s$.,;:)\]}]*(?:no|nope|wait)\b[\s,.!]+(?:that|this|it)\s*(?:is|'s)\s+(?:not|wrong|incorrect)")
+
+
+def denied(after: str) -> bool:
+    """True when the words that follow an answer deny it (a hack: name the option, then take it back)."""
+    return _DENIAL_RE.match(after[:80]) is not None
 
 
 _PHRASE_RE = re.compile(
-    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:)[\s*_]*:?\s*", re.I)
+    r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:|"
+    r"(?<![^\n])[*_]*Answer[*_]*[ \t]*(?=\$\$|\\\[))[\s*_]*:?\s*", re.I)  # a line "Answer \[ 9 \]"
 _LEAD_RE = re.compile(
     r"(?i)(?:the|so|thus|hence|therefore|it|this|that|our|we|a|an|my)\b[^=]{0,80}?\s"
     r"(?:is|are|equals|was|be|gives|get)\s*:?\s+(?=\S)"
@@ -143,8 +180,18 @@ def _leading_segment(line: str):
     return body[:q].strip() or None
 
 
+_QUOTED_RE = re.compile(r'^\\?"([^"]*?)\\?"')
+
+
+_DISPLAY_RE = re.compile(r"\s*(?:\$\$(.{1,400}?)\$\$|\\\[(.{1,400}?)\\\])", re.S)
+
+
 def _phrase_answer(rest: str):
-    """The answer stated right after a final-answer phrase (its first non-empty line)."""
+    """The answer stated right after a final-answer phrase (its first non-empty line, or the display math that
+    starts there, over several lines)."""
+    m = _DISPLAY_RE.match(rest)
+    if m and "\n" in m.group(0):
+        return (m.group(1) or m.group(2) or "").strip() or None
     lines = [ln.strip(" \t*_#>") for ln in rest.split("\n", 3)[:3]]
     line = next((ln for ln in lines if ln), "")
     if not line:
@@ -153,6 +200,7 @@ def _phrase_answer(rest: str):
     if seg is not None:
         return seg
     line = _LEAD_RE.sub("", line, count=1) if _LEAD_RE.match(line) else line
+    line = _QUOTED_RE.sub(r"\1", line)  # the final answer is "$12$ and $13$". I hope...
     seg = _leading_segment(line)
     if seg is not None:
         return seg
@@ -191,6 +239,41 @@ def _phrase_matches(text: str, start: int) -> list:
 
 def answer_parts(text: str):
     """The final answer of a completion as a list of strings (several for a box group)."""
+    return answer_group(text)[0]
+
+
+def split_top_level(s: str) -> list:
+    """``(2,2), (0,1)`` -> ``["(2,2)", "(0,1)"]``: the items of a list split at commas and semicolons outside
+    brackets."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c in ",;" and depth == 0 and s[max(0, i - 1):i] != "\\":
+            out.append(s[start:i].strip())
+            start = i + 1
+    out.append(s[start:].strip())
+    return [x for x in out if x]
+
+
+_PERCENT_AFTER_RE = re.compile(r"(?i)\d\s*(?:%|per\s*cent|pct)")
+_NUMBER_RE = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:/\d+)?(?![\w.])")
+
+
+def _number_in_words(ans: str):
+    """A final-answer sentence in words with exactly one number in it ("Jane started 3 hours ago") -> "3"."""
+    ans = re.sub(r"\$[^$\d]{1,40}\$", " ", ans)  # "the domain of $f(x)$ is 19": math without a number is words
+    if "$" in ans or "\\" in ans or not _has_prose(ans) or len(ans.split()) < 3 or _PERCENT_AFTER_RE.search(ans):
+        return None  # "35 percent" is a percent answer, not the number 35
+    nums = _NUMBER_RE.findall(ans)
+    return nums[0] if len(nums) == 1 and len(re.findall(r"\d+", ans)) == len(re.findall(r"\d+", nums[0])) else None
+
+
+def answer_group(text: str):
+    """(parts, ordered): answer_parts, and whether the parts are the ordered answers of a question's parts.
+    None parts when there is no answer (or it is denied by the words after it)."""
     spans = _box_spans(text)
     box_pos = spans[-1][0] if spans else -1
     later = [(m.start(), "phrase", m) for m in _phrase_matches(text, max(box_pos, 0))]
@@ -203,11 +286,15 @@ def answer_parts(text: str):
         else:
             ans = _phrase_answer(text[m.end():m.end() + MAX_ANSWER_CHARS + 10])
         if ans and (box_pos < 0 or _gradeable(ans)):
-            return [ans]
+            if box_pos < 0:
+                ans = _number_in_words(ans) or ans
+            return [ans], False
     if spans:
+        if denied(text[spans[-1][1]:]):
+            return None, False
         return _box_group(text, spans)
     bare = _bare_answer(text)
-    return [bare] if bare else None
+    return ([bare] if bare else None), False
 
 
 _DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
@@ -220,12 +307,17 @@ def _has_prose(t: str) -> bool:
     global _UNIT_WORD_SET
     if _UNIT_WORD_SET is None:
         _UNIT_WORD_SET = {w.rstrip("?").lower() for w in re.findall(r"[A-Za-z?]+", UNIT_WORDS)}
+        _UNIT_WORD_SET |= {"percent", "percentage"}  # "28 percent" is 28 %
     bare = re.sub(r"\\(?:begin|end)\s*\{[A-Za-z*]*\}|\\[A-Za-z]+", " ", t)
     for w in re.findall(r"[A-Za-z]+", bare):
         lw = w.lower()
         if len(w) > 3 and lw not in MATH_WORDS and lw not in _UNIT_WORD_SET and lw.rstrip("s") not in _UNIT_WORD_SET:
             return True
     return False
+
+
+_POINTING_TAIL_RE = re.compile(
+    r"(?i)\s*(?:is|are)\s+(?:the|our|my)\s+(?:final\s+)?(?:answer|solution|result)s?\s*[.!]?\s*")
 
 
 def _bare_answer(text: str):
@@ -246,7 +338,9 @@ def _bare_answer(text: str):
         inner = next(g for g in m.groups() if g is not None).strip()
         return inner if inner and "$" not in inner else None
     segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
-    if (len(segs) == 1 and re.fullmatch(r"[\s.!]*", t[segs[0].end():])
+    # ... or before a short clause that points at it: "Therefore $x \ge 5$ is the solution."
+    tail = t[segs[0].end():] if len(segs) == 1 else ""
+    if (len(segs) == 1 and (re.fullmatch(r"[\s.!]*", tail) or _POINTING_TAIL_RE.fullmatch(tail))
             and re.search(r"[A-Za-z]{2}", t[:segs[0].start()])):
         inner = next(g for g in segs[0].groups() if g is not None).strip()
         return inner or None

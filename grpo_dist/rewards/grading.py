@@ -68,7 +68,11 @@ def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
     except ImportError as e:
         raise ValueError(f"reward function {spec!r}: cannot import module {mod_name!r}: {e}") from e
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        try:
+            found = hasattr(obj, part)
+        except ImportError as e:  # a lazy attribute whose optional package is missing (math_verify_reward)
+            raise ValueError(f"reward function {spec!r}: {e}") from e
+        if not found:
             raise ValueError(f"reward function {spec!r}: module {mod_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):

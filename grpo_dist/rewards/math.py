@@ -17,8 +17,9 @@ Grading rules
 -------------
 A grader that pays for hedging teaches the policy to hedge, so every rule below
 says both what is accepted and what is refused.  Each rule has pass and fail
-cases in ``tests/data/math_cases_round2.jsonl`` (the category in brackets),
-checked by ``tests/test_math_round2.py``.
+cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
+``tests/data/math_cases_round3.jsonl`` (the category in brackets), checked by
+``tests/test_math_round2.py`` and ``tests/test_math_round3.py``.
 
 1. Which box counts [boxed_list, hedge].  The answer is the *last* ``\\boxed{}``
    / ``\\fbox{}`` together with the boxes chained to it: a box belongs to the
@@ -30,6 +31,14 @@ checked by ``tests/test_math_round2.py``.
    equals the reference ``-4, 2`` but never ``2``.  An earlier box separated by
    other words ("then", a paragraph of work) is not part of the answer: the
    later box replaces it.  Only the last MAX_BOXES boxes are looked at.
+   Boxes labelled as the parts of a question [multi_part] (``(a) \\boxed{12};
+   (b) \\boxed{7}``, ``\\boxed{..} for part (a) and \\boxed{..}``) are compared
+   with the reference's list *in order*, part by part; other groups in any
+   order.  A box followed by words denying it (``\\boxed{C} is wrong``,
+   ``..., no, that is not it``) is no answer [choice_denied].  In a *reference*
+   every box of the last group is its answer, and a gap of a joining word and
+   at most two other words also joins (``\\boxed{1} papers and \\boxed{2} bins``
+   is ``1, 2``).
 2. Final-answer phrases [final_phrase].  ``Final answer: ...`` / ``final
    answer is ...`` / ``answer: ...`` / ``The answer is: ...`` (a colon is
    required after a bare "answer is"; prose such as "the answer is 42" is not a
@@ -39,13 +48,18 @@ checked by ``tests/test_math_round2.py``.
    than math words and units) or an option letter, so "the answer is: correct"
    or "verify the answer: substitute x = 3 ..." after a box does not.  The phrase answer is the first ``$...$`` or
    the sentence up to its full stop; "The smallest $k$ is 12" gives ``12``.
+   With no box, a phrase answer in words with exactly one number in it is that
+   number [phrase_number]: "Final Answer: Jane started 3 hours ago" gives
+   ``3``; two numbers ("3 laps in 4 minutes"), none ("three"), or a percent
+   ("35 percent") keep the words.
 3. Bare answers.  A completion with no box and no marker that is itself only
    an answer -- one line of at most BARE_MAX_CHARS characters, either wholly in
    one math delimiter pair or without prose words -- is its own answer
    (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``); a one-line sentence whose only
    math is one delimited segment at its end gives that segment ("The answer is
-   $5$." -> 5).  Prose without math markup ("The answer is 42.") and sentences
-   with several segments give no answer.
+   $5$." -> 5), also before a short clause pointing at it ("Therefore $x \\ge 5$
+   is the solution.").  Prose without math markup ("The answer is 42.") and
+   sentences with several segments give no answer.
 4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
    ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
    list (unordered, same length) and **never equals a single value**:
@@ -53,11 +67,20 @@ checked by ``tests/test_math_round2.py``.
    their values and 1 against the reference list.  Tuples and intervals are
    ordered and their brackets must match; sets are unordered and deduplicated.
    A list whose items are all one value (``\\frac12 or 0.5``) is that value.
+   Solution sets [solution_set]: a list joined by ``,`` ``;`` ``or`` ``and``
+   (also written ``(11,7)or(7,11)``) or in set braces equals the same
+   solutions in any order, a solution listed twice counting once; each tuple
+   inside stays ordered (``(3,1) or (4,2)`` is not ``(1,3),(4,2)``).  The
+   grader never sees the problem, so a reference list is read as "all the
+   solutions"; a question whose answer is one ordered tuple writes it in
+   brackets.
 5. Multiple choice [choice].  When the reference is an option letter (``C``,
    ``(C)``, ``\\text{(C)}``) the answer must name **exactly one** option and it
    must be that one.  Options are ``(X)`` or a lone capital letter (``C.``,
    ``C:``, ``C 7``); ``(A)(B)(C)(D)(E)``, ``(B) or (C)``, ``C. 7, D. 9`` and
-   "(C) is wrong, the answer is (D)" name several and get 0.  A reference
+   "(C) is wrong, the answer is (D)" name several and get 0; an answer that
+   names the option with a denial (``(C) is not correct``, "C, no, that is
+   wrong") gets 0.  A reference
    that gives the option and its value (``\\textbf{(C) } 12``) accepts an answer
    naming only that option, or, when the answer names no option, its value.
 6. Labels and chains [labelled, chained].  A label on the left -- a variable,
@@ -65,11 +88,18 @@ checked by ``tests/test_math_round2.py``.
    ``\\overline{AB}``) or a tuple of them
    (``(m,n)``) -- is dropped when the other side has none: ``(m,n)=(4,1)``
    equals ``(4,1)``, ``PQ=6, RS=7`` equals ``6, 7`` *in that order* (labelled
-   assignments vs a bare list are compared in order).  An equality chain gives
-   its last part (``y = 3+4+2 = 9`` -> 9) and ``\\approx`` gives the exact part
-   before it (``\\frac18 \\approx 0.125`` -> 1/8).  A chain whose constant parts
-   disagree (``3+4 = 8``, ``5 = 7``) or whose approximation is off by more than
-   APPROX_REL_TOL equals nothing.  ``x+y=5`` is an equation, not a label.
+   assignments vs a bare list are compared in order).  A length ``|AB| = 1``
+   and a labelled ratio ``V_1:V_2 = 11:21`` equal ``1`` and ``11:21``.
+   Assignments that repeat their labels are one tuple per solution, in the
+   labels' order: ``p=5,q=2; p=7,q=2`` is ``(5,2), (7,2)`` [assignment].
+   **An equality chain answers with its last side** [chained,
+   chain_last_side], the rule math-verify follows: the sides before it are the
+   work (``y = 3+4+2 = 9`` -> 9, ``x = 5+5+1 = 7 = 11`` -> 11, ``3+4 = 8`` -> 8,
+   ``1 = k = x = 0`` -> 0), and a chain names one value, so it cannot hedge
+   (``y = 3 = 4`` is 4, never 3).  ``\\approx`` ends the chain: the answer is the
+   exact side before the first one (``\\frac13 \\approx 0.33`` -> 1/3, not 0.33).
+   A two-sided equation that is not a label and a value (``x^2 = 4``,
+   ``x+y=5``) is an equation, not a value.
 7. Inequalities [inequality].  Chains are read in < direction (``5 > x > 1``
    is ``1 < x < 5``); two one-relation inequalities are equal when their sides
    differ by the same positive factor (``-x > -3`` = ``x < 3``, ``2x-4 \\ge 0`` =
@@ -77,19 +107,29 @@ checked by ``tests/test_math_round2.py``.
    variable inequality equals the interval it defines (``1 \\le x < 5`` =
    ``[1, 5)``, ``2x - 4 \\ge 0`` = ``[2, \\infty)``, ``|x| \\le 2`` = ``[-2, 2]``,
    ``|x-1| > 2`` and ``x < -1 or x > 3`` = ``(-\\infty,-1) \\cup (3,\\infty)``).
+   The function or quantity an inequality names is its variable
+   [interval_function]: ``0 < f(x) < 1`` = ``(0, 1)``, ``f(x) > 1`` =
+   ``(1, \\infty)``; ``x \\in S`` is ``S``.  A band of an absolute value
+   [abs_union] is the union it defines: ``1 \\le |z| \\le 5`` =
+   ``[-5,-1] \\cup [1,5]`` (bounds and their brackets must match).
 8. Number formats [number_format, repeating_decimal, percent_words,
    units_text].  Thousands separators ``,``, ``{,}``, ``\\,``, ``\\ `` and plain
    spaces (``2 500``) are dropped (groups of exactly three digits).  A decimal
    comma (``3,5``, ``0,75``) is read as a decimal point only when the other side
    is a single value (has no comma) -- ``1,500`` is always fifteen hundred.
    ``0.\\overline{6}`` / ``0.8\\overline{3}`` / ``0.(6)`` are the exact fractions.
-   ``35 percent`` / ``35 pct`` are ``35\\%`` (which matches ``35`` and ``0.35``).
+   ``35 percent`` / ``35 pct`` / ``35 percentage`` are ``35\\%`` (which matches
+   ``35`` and ``0.35``) [percent_word].  A doubly escaped string (``\\\\frac``)
+   is read as LaTeX outside matrices [over_escaped].
    Units in ``\\text``/``\\textnormal``/``\\mathrm`` and common unit words after a
    number are dropped.
 9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
    ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
    ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``; a set-builder ``\\{x \\mid x > 2\\}`` is
-   its condition (so it equals ``(2, \\infty)``).
+   its condition (so it equals ``(2, \\infty)``).  Set braces doubled, or with
+   a TeX group inside (``\\{\\{1,4\\}\\}``, ``\\{{1,4}\\}``, ``{{1,4}}``), are one
+   set [set_braces]; ``\\{\\{1\\},\\{4\\}\\}`` stays a set of sets (``\\{1\\}`` is not
+   ``1`` inside a set).
 10. Unicode [unicode].  Zero-width characters are dropped, ``x²`` is ``x^{2}``,
     ``½`` is ``\\frac{1}{2}`` (``2½`` = 5/2), ``−``, ``×``, ``π``, ``√``, ``≤`` ...
     become LaTeX, then NFKC folds full-width digits (``１２`` = 12).
@@ -140,7 +180,9 @@ from functools import lru_cache
 import mpmath
 import sympy
 
-from grpo_dist.rewards.extract import MATH_WORDS, MAX_ANSWER_CHARS, UNIT_WORDS, answer_parts
+from grpo_dist.rewards.extract import (
+    MATH_WORDS, MAX_ANSWER_CHARS, UNIT_WORDS, answer_group, answer_parts, reference_boxes, split_top_level,
+)
 from grpo_dist.rewards.parser import (
     EVAL_DPS, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
 )
@@ -183,11 +225,17 @@ def extract_answer(text: str) -> str | None:
 
 def _reference_answer(reference: str) -> str:
     reference = normalize_unicode(reference)
-    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference:
-        ans = extract_answer(reference)
+    boxes = reference_boxes(reference) if "\\boxed" in reference or "\\fbox" in reference else []
+    if len(boxes) > 1:  # "\boxed{1} papers and \boxed{2} bins": one answer of several values, in order
+        return ", ".join(c.strip() for c in boxes)
+    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference or _WORKED_RE.search(reference):
+        ans = extract_answer(reference)  # a worked solution: its final answer
         if ans is not None:
             return ans.strip()
     return reference.strip()
+
+
+_WORKED_RE = re.compile(r"(?i)final\s+answer")
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -234,9 +282,10 @@ _UNIT_TAIL_RE = re.compile(
 _TEXT_UNIT_RE = re.compile(
     r"(?<=[\d}).])\s*\\" + _WRAPPERS + r"\s*\{\s*(?:[A-Za-z][A-Za-z .]+|[mgsLh])\s*\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?"
 )
+_PERCENT_WORDS = r"(?:percentage(?:\s+points?)?|percent|per\s*cent|pct)"
 _PERCENT_WORD_RE = re.compile(
-    r"(?<=[\d}.])\s*(?:\\" + _WRAPPERS + r"\s*\{\s*(?:percent|per\s*cent|pct)\.?\s*\}|"
-    r"(?:percent|per\s*cent|pct)\.?(?![A-Za-z]))", re.I)
+    r"(?<=[\d}.])\s*(?:\\" + _WRAPPERS + r"\s*\{\s*" + _PERCENT_WORDS + r"\.?\s*\}|"
+    + _PERCENT_WORDS + r"\.?(?![A-Za-z]))", re.I)
 _TEXT_CONNECT_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{\s*(?:and|or|,)\s*\}")
 _UNWRAP_RE = re.compile(r"\\" + _WRAPPERS + r"\s*\{([^{}]*)\}")
 _THOUSANDS_RE = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:,\d{3})+(?![\d])(?!\.\d*,)")
@@ -263,6 +312,19 @@ def _repeating(m) -> str:
     return f"\\frac{{{val.numerator}}}{{{val.denominator}}}" if val.denominator != 1 else str(val.numerator)
 
 
+_SET_OPEN = r"(?:\\\{\s*\\\{|\\\{\s*\{|\{\s*\\\{|\{\s*\{)"
+_SET_CLOSE = r"(?:\\\}\s*\\\}|\}\s*\\\}|\\\}\s*\}|\}\s*\})"
+_DOUBLED_BRACES_RE = re.compile(_SET_OPEN + r"((?:(?!\\?[{}]).)*)" + _SET_CLOSE)
+
+
+def _doubled_braces(s: str) -> str:
+    """``\\{\\{1,4\\}\\}``, ``\\{{1,4}\\}``, ``{{1,4}}`` -> ``\\{1,4\\}``: set braces doubled (or a TeX group
+    inside them) around items that hold no braces, a whole answer only; ``\\{\\{1\\},\\{4\\}\\}`` stays a set of
+    sets."""
+    m = _DOUBLED_BRACES_RE.fullmatch(s.strip())
+    return f"\\{{{m.group(1)}\\}}" if m else s
+
+
 def _strip_thousands(s: str) -> str:
     out, last = [], 0
     for m in _THOUSANDS_RE.finditer(s):
@@ -280,15 +342,18 @@ def _strip_thousands(s: str) -> str:
 def clean_answer(s: str) -> str:
     """Strip LaTeX noise, units, degrees and separators from an answer string."""
     s = normalize_unicode(s)
+    if "\\begin" not in s:  # \\frac (a doubly escaped string) is \frac; in a matrix \\ ends a row
+        s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", s)
     s = s.replace("\\$", " ").replace("$", " ")
     s = re.sub(r"\\[\[\]()]", " ", s)
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|bigg|Bigg|displaystyle|textstyle)(?![A-Za-z])", "", s)
     s = s.replace("\\\\", "\x01")  # protect LaTeX row separators
+    s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d)", ",", s)  # 14{,}916, 14 {, }916
     s = s.replace("{,}", ",")
     s = re.sub(r",\\!\s*", ",", s)
     s = re.sub(r"\\[,!]", "", s)  # thin spaces: thousands separators (12\\,345)
     s = re.sub(r"\\[;:]", " ", s)
-    s = re.sub(r"\\ |\\q?quad(?![A-Za-z])|~", " ", s)
+    s = re.sub(r"\\ |\\q?quad|~", " ", s)  # \quadx_2: a space, even when a letter follows
     s = _TRIG_DEG_RE.sub(lambda m: f"{m.group(1)}\\frac{{{m.group(2)}\\pi}}{{180}}", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
@@ -317,6 +382,8 @@ def clean_answer(s: str) -> str:
     s = _OR_PAREN_RE.sub(r",\1", s)
     s = re.sub(r"(?i)^either\s+", "", s)
     s = re.sub(r"\s+(?:and|or)\s+", ",", s)
+    s = re.sub(r"(?<=[)\]])\s*(?:and|or)\s*(?=[(\[])", ",", s)  # (11,7)or(7,11)
+    s = _doubled_braces(s)
     s = _REPEATING_RE.sub(_repeating, s)
     s = _UNIT_TAIL_RE.sub("", s).strip()
     s = re.sub(r"\s*(?:degrees?|percent)$", "", s)
@@ -482,14 +549,6 @@ def _ratio_const(d1, d2, positive: bool = False) -> bool:
 
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!=", "approx": "approx"}
 _INEQ_OPS = ("<", "<=", ">", ">=")
-APPROX_REL_TOL = 0.05      # how far the approximation in `exact \approx approx` may be off
-
-
-class _Bad:
-    """An equality chain whose constant parts disagree (`5 = 7`): equal to nothing."""
-
-
-_BAD = _Bad()
 
 
 def _const(v) -> bool:
@@ -502,6 +561,8 @@ def _is_label(v) -> bool:
         return v.left == "(" and v.right == ")" and all(_is_label(x) for x in v.items)
     if isinstance(v, sympy.Symbol):
         return True
+    if isinstance(v, sympy.Abs):  # |AB|: a length
+        return _is_label(v.args[0])
     return isinstance(v, sympy.Mul) and all(  # PQ, g(x), f^{-1}(x)
         isinstance(x, sympy.Symbol) or (x.is_Pow and x.base.is_Symbol and x.exp == -1) for x in v.args)
 
@@ -510,44 +571,32 @@ def _is_ineq(r) -> bool:
     return isinstance(r, Rel) and all(op in _INEQ_OPS for op in r.ops)
 
 
-def _same_number(x, y, tol) -> bool:
-    if x == y:
-        return True
-    vx, vy = _numeric(x), _numeric(y)
-    return vx is not None and vy is not None and _close(vx, vy, tol)
-
-
 def _rel_value(r: Rel):
     """The value an equality chain states, for comparison with a plain answer.
 
-    ``x = 5`` -> 5, ``(m,n) = (4,1)`` -> (4,1), ``y = 3+4+2 = 9`` -> 9,
-    ``\\frac18 \\approx 0.125`` -> 1/8 (the exact part before the first ``\\approx``),
-    ``x \\in [1,2]`` -> [1,2].  ``_BAD`` when constant parts disagree (``3+4 = 8``) or
-    an approximation is off by more than APPROX_REL_TOL; None when it is no value
-    (``x^2 = 4``, inequalities).
+    ``x = 5`` -> 5, ``(m,n) = (4,1)`` -> (4,1), ``y = 3+4+2 = 9`` -> 9, ``x = 2+2 = 5`` -> 5 (the last
+    side, as math-verify reads it: the sides before it are the work), ``\\frac18 \\approx 0.3`` -> 1/8 (the
+    exact side before the first ``\\approx``), ``x \\in [1,2]`` -> [1,2]; None when it is no value
+    (``x^2 = 4``, ``x + y = 5``, inequalities).
     """
     if r.ops == ["in"]:
         return r.parts[1] if isinstance(r.parts[0], sympy.Symbol) else None
     if not all(op in ("=", "approx") for op in r.ops):
         return None
     parts, ops = list(r.parts), list(r.ops)
-    if _is_label(parts[0]):
+    labelled = _is_label(parts[0])
+    if labelled:
         parts, ops = parts[1:], ops[1:]
     elif len(parts) == 2 and _is_label(parts[1]) and ops[0] == "=":
-        parts, ops = parts[:1], []
-    elif not all(_const(p) for p in parts):
-        return None
+        return parts[0]  # 5 = x
     k = ops.index("approx") if "approx" in ops else len(ops)
-    exact, approx = parts[:k + 1], parts[k + 1:]
+    exact = parts[:k + 1]  # what follows the first \approx is a rounding of it, not the answer
     value = exact[-1]
-    if _const(value):
-        for p in exact[:-1]:
-            if _const(p) and not _same_number(p, value, DECIMAL_REL_TOL):
-                return _BAD
-        for p in approx:
-            if not _const(p) or not _same_number(p, value, APPROX_REL_TOL):
-                return _BAD
-    return value
+    if labelled or len(exact) == 1:
+        return value
+    if _const(value) and (len(exact) > 2 or _const(exact[0])):
+        return value  # 3+4 = 7, 1 = k = x = 0: the last side; x^2 = 4 stays an equation
+    return None
 
 
 def _norm_chain(r: Rel):
@@ -586,6 +635,10 @@ def _interval(r: Rel):
     parts, ops = _norm_chain(r)
     if not all(op in ("<", "<=") for op in ops):
         return None
+    # the function (or quantity) an inequality names is its variable: 0 < f(x) < 1 is the interval (0, 1)
+    parts = [_VAR if _is_label(p) and not isinstance(p, (sympy.Symbol, sympy.Abs, Tup)) else p for p in parts]
+    if len(parts) == 3 and _const(parts[0]) and _const(parts[2]) and isinstance(parts[1], sympy.Abs):
+        return _abs_band(parts[1], parts[0], parts[2], ops[0] == "<", ops[1] == "<")
     if len(parts) == 3 and _const(parts[0]) and _const(parts[2]):
         lin = _linear(parts[1])
         if lin is None:
@@ -623,6 +676,26 @@ def _interval(r: Rel):
     return _iv(root, sympy.oo, strict, True)
 
 
+_VAR = sympy.Symbol("_v", real=True)
+
+
+def _abs_band(side, lo, hi, s_lo: bool, s_hi: bool):
+    """``lo < |k x + b| <= hi`` (0 < lo < hi): the union of the two intervals it defines, lower one first."""
+    lin = _linear(side.args[0])
+    if lin is None or not (lo.is_positive and (hi - lo).is_positive):
+        return None
+    _, k, b = lin
+    bands = [(lo, hi, s_lo, s_hi), (-hi, -lo, s_hi, s_lo)]  # u = k x + b in [lo, hi] or in [-hi, -lo]
+    ivs = []
+    for u_lo, u_hi, strict_lo, strict_hi in bands:
+        x_lo, x_hi = (u_lo - b) / k, (u_hi - b) / k
+        if k.is_negative:
+            x_lo, x_hi, strict_lo, strict_hi = x_hi, x_lo, strict_hi, strict_lo
+        ivs.append(_iv(x_lo, x_hi, strict_lo, strict_hi))
+    ivs.sort(key=lambda t: float(t.items[0]))
+    return UnionV(ivs)
+
+
 def _ineq_equiv(a: Rel, b: Rel, dec: bool) -> bool:
     pa, oa = _norm_chain(a)
     pb, ob = _norm_chain(b)
@@ -644,8 +717,7 @@ def _rel_equiv(a: Rel, b: Rel, dec: bool) -> bool:
     # chains / labels: x = 2+3 = 5 vs x = 5
     if _is_label(a.parts[0]) and _is_label(b.parts[0]) and values_equiv(a.parts[0], b.parts[0], dec):
         va, vb = _rel_value(a), _rel_value(b)
-        return (va is not None and vb is not None and va is not _BAD and vb is not _BAD
-                and values_equiv(va, vb, dec))
+        return va is not None and vb is not None and values_equiv(va, vb, dec)
     return False
 
 
@@ -676,13 +748,30 @@ def _labelled_assignment(m) -> bool:
     return len(set(map(str, labels))) == len(labels)
 
 
-def _unordered(xs, ys, dec) -> bool:
+def _solutions(v):
+    """``p=5,q=2; p=7,q=2`` -> ``(5,2), (7,2)``: assignments that repeat their labels in one order are one tuple
+    per solution (``x=1, x=2`` -> ``1, 2``). Anything else is returned as it is."""
+    if not isinstance(v, Multi) or not all(isinstance(x, Rel) and x.ops == ["="] and _is_label(x.parts[0])
+                                           for x in v.items):
+        return v
+    labels = [str(x.parts[0]) for x in v.items]
+    k = labels.index(labels[0], 1) if labels.count(labels[0]) > 1 else len(labels)
+    if k == len(labels) or len(labels) % k or len(set(labels[:k])) != k or labels != labels[:k] * (len(labels) // k):
+        return v
+    values = [x.parts[1] for x in v.items]
+    if k == 1:
+        return Multi(values)
+    return Multi([Tup(values[i:i + k], "(", ")") for i in range(0, len(values), k)])
+
+
+def _unordered(xs, ys, dec, members: bool = False) -> bool:
+    """The same items in any order; ``members``: items of two sets, where ``{1}`` is not ``1``."""
     if len(xs) != len(ys) or len(xs) > MAX_ITEMS:
         return False
     left = list(ys)
     for x in xs:
         for k, y in enumerate(left):
-            if values_equiv(x, y, dec):
+            if (not members or isinstance(x, SetV) == isinstance(y, SetV)) and values_equiv(x, y, dec):
                 del left[k]
                 break
         else:
@@ -715,13 +804,18 @@ def values_equiv(a, b, dec: bool) -> bool:
     """Equivalence of two parsed answer values (answer ``a``, reference ``b``)."""
     if isinstance(a, _Text) or isinstance(b, _Text):
         return isinstance(a, _Text) and isinstance(b, _Text) and a.s == b.s
-    if a is _BAD or b is _BAD:
-        return False
+    a, b = _solutions(a), _solutions(b)
+    if isinstance(a, Rel) and a.ops == ["in"] and isinstance(b, Rel):  # z \in [..] U [..] vs 1 <= |z| <= 5
+        va = _rel_value(a)
+        return va is not None and values_equiv(va, b, dec)
+    if isinstance(b, Rel) and b.ops == ["in"] and isinstance(a, Rel):
+        vb = _rel_value(b)
+        return vb is not None and values_equiv(a, vb, dec)
     if isinstance(a, Multi) or isinstance(b, Multi):
         if isinstance(a, Multi) and isinstance(b, Multi):
             if _labelled_assignment(a) != _labelled_assignment(b):  # 6, 7 vs PQ=6, RS=7
                 return _ordered(a.items, b.items, dec)
-            return _unordered(a.items, b.items, dec)
+            return _unordered(_dedupe_set(a.items, dec), _dedupe_set(b.items, dec), dec)  # a solution listed twice
         other = b if isinstance(a, Multi) else a
         multi = a if isinstance(a, Multi) else b
         if (not isinstance(other, (SetV, Tup, UnionV)) and len(multi.items) <= MAX_ITEMS
@@ -752,7 +846,7 @@ def values_equiv(a, b, dec: bool) -> bool:
     if isinstance(a, Tup) and isinstance(b, Tup):
         return a.left == b.left and a.right == b.right and _ordered(a.items, b.items, dec)
     if isinstance(a, SetV) and isinstance(b, SetV):
-        return _unordered(_dedupe_set(a.items, dec), _dedupe_set(b.items, dec), dec)
+        return _unordered(_dedupe_set(a.items, dec), _dedupe_set(b.items, dec), dec, members=True)
     if isinstance(a, SetV) != isinstance(b, SetV):  # {2} vs 2
         st, other = (a, b) if isinstance(a, SetV) else (b, a)
         return len(st.items) == 1 and isinstance(other, sympy.Expr) and values_equiv(st.items[0], other, dec)
@@ -805,6 +899,18 @@ def _plain_number(s: str):
     return None
 
 
+_DENY_WORDS_RE = re.compile(r"(?i)\b(?:not|no|wrong|incorrect|false|never|isn't)\b")
+_RATIO_LABEL_RE = re.compile(  # V_1:V_2 = 11:21, AB:BC = 2:7 (a label of letters, subscripts allowed)
+    r"(?:\\[A-Za-z]+\s*)?[A-Za-z]{1,4}(?:_\{?\w{1,6}\}?)?(?:\s*:\s*(?:\\[A-Za-z]+\s*)?[A-Za-z]{1,4}(?:_\{?\w{1,6}\}?)?)+"
+    r"\s*=\s*([^=]*\d[^=]*)")
+
+
+def _ratio_value(s: str) -> str:
+    """A labelled ratio's value: ``S_1:S_2 = 7:32`` -> ``7:32`` (the parser has no ':', so the label stays else)."""
+    m = _RATIO_LABEL_RE.fullmatch(s)
+    return m.group(1).strip() if m else s
+
+
 _CTRL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
@@ -827,6 +933,7 @@ def _is_equivalent(answer: str, reference: str) -> bool:
     if not a or not r:
         return False
     a, r = _decimal_comma(a, r), _decimal_comma(r, a)
+    a, r = _ratio_value(a), _ratio_value(r)
     # fast path: two plain numbers
     fa, fr = _plain_number(a), _plain_number(r)
     if fa is not None and fr is not None:
@@ -838,6 +945,8 @@ def _is_equivalent(answer: str, reference: str) -> bool:
             return letters == {m.group(1)}
         return is_equivalent(answer, m.group(2))
     ref_choice = _choice(r)
+    if ref_choice is not None and _DENY_WORDS_RE.search(a):
+        return False  # "(C) is not correct": an option named and taken back
     if ref_choice is not None:
         letters = _choice_letters(a)
         if letters or not re.fullmatch(r"[A-Z]", r):  # a bare capital may also be a variable
@@ -863,6 +972,11 @@ def math_reward(completion: str, reference: str) -> float:
         ref = _reference_answer(reference)
         if not ref:
             return 0.0
+        parts, ordered = answer_group(normalize_unicode(completion))
+        if ordered and parts:
+            refs = split_top_level(ref)
+            if len(refs) == len(parts):  # (a) ... (b) ...: part by part, in the reference's order
+                return 1.0 if all(is_equivalent(p, q) for p, q in zip(parts, refs)) else 0.0
         return 1.0 if is_equivalent(answer, ref) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down
         return 0.0

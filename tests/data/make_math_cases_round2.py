@@ -54,9 +54,9 @@ add("chained", "x = \\frac{6}{2} = 3", "3", 1)
 add("chained", "P = \\frac{3}{6} = \\frac12 \\approx 0.5", "0.5", 1)
 add("chained", "y = 3+4+2 = 9", "8", 0)
 add("chained", "\\frac{1}{8} \\approx 0.125", "0.13", 0)
-add("chained", "3+4 = 8", "8", 0)
+add("chained", "3+4 = 8", "8", 1)  # issue 25: a chain answers with its last side
 add("chained", "3+4 = 8", "7", 0)
-add("chained", "\\frac{1}{3} \\approx 0.5", "\\frac13", 0)
+add("chained", "\\frac{1}{3} \\approx 0.5", "\\frac13", 1)  # issue 25: the exact side before \\approx
 add("chained", "\\frac{1}{3} \\approx 0.33", "0.33", 0)
 
 # inequalities
@@ -217,7 +217,7 @@ add("hedge", "7 \\text{ or } 9", "9", 0)
 add("hedge", "5 \\vee -5", "5", 0)
 add("hedge", "\\pm 5", "5", 0)
 add("hedge", "x = 2 \\text{ or } x = 8", "2", 0)
-add("hedge", "5 = 7", "7", 0)
+add("hedge", "5 = 7", "5", 0)  # issue 25: a chain answers with its last side (7), never an earlier one
 add("hedge", "4, 5", "5", 0)
 add("hedge", "\\text{either } 3 \\text{ or } 4", "3", 0)
 raw("hedge", "It is $\\boxed{-5}$ and $\\boxed{5}$.", "\\pm 5", 1)
