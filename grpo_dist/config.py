@@ -114,7 +114,9 @@ class ModelConfig:
                               "{architecture: qwen2|llama|qwen3, hidden_size, num_hidden_layers, "
                               "num_attention_heads, num_key_value_heads, intermediate_size, tokenizer: "
                               "char|bpe|PATH, vocab_size}")
-    dtype: str = _f("float32", "dtype of the master weights", ("float32", "bfloat16", "float16"))
+    dtype: str = _f("float32", "dtype of the master weights; float64 (CPU, FSDP, lean/hf rollouts, no "
+                    "mixed_precision) makes a run's numbers independent of the CPU's kernels (golden trajectories)",
+                    ("float32", "bfloat16", "float16", "float64"))
     attn_implementation: Optional[str] = _f(None, "sdpa | eager | flash_attention_2 (None: transformers' default)")
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
     init_seed: int = _f(0, "seed of the random init for `tiny` models (same on every rank)")
@@ -414,6 +416,7 @@ class GRPOConfig:
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
                        "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
+        bad += _float64_problems(self)
         bad += _health_problems(self.health)
         return bad
 
@@ -486,6 +489,25 @@ class GRPOConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _float64_problems(cfg) -> list[str]:
+    """model.dtype=float64 exists for runs whose numbers must not depend on the CPU's kernels (tests/golden.py):
+    only the paths that tests run in float64 take it (a GPU is refused at start, preflight.check_dtype_device)."""
+    if cfg.model.dtype != "float64":
+        return []
+    bad = []
+    if cfg.distributed.mixed_precision is not None:
+        bad.append(f"config key 'distributed.mixed_precision' = {cfg.distributed.mixed_precision} computes in "
+                   f"16 bits: it defeats model.dtype=float64; set it null")
+    if cfg.distributed.backend != "fsdp":
+        bad.append("config key 'model.dtype' = float64 is supported with distributed.backend=fsdp only")
+    if cfg.distributed.sharding_strategy == "HYBRID_SHARD":
+        bad.append("config key 'distributed.sharding_strategy' = HYBRID_SHARD is not supported with "
+                   "model.dtype=float64; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+    if cfg.rollout_engine == "vllm":
+        bad.append("config key 'model.dtype' = float64 is not supported with rollout_engine=vllm; use lean or hf")
+    return bad
 
 
 # The metrics an evaluation logs (trainer.evaluate): what save_best can judge by.
