@@ -239,7 +239,7 @@ class GRPOConfig:
     overwrite_output_dir: bool = _f(False, "start a fresh run in an output_dir that holds another run's checkpoints "
                                     "or metrics, deleting them (without it, and without resume_from_checkpoint, "
                                     "such a start is refused)")
-    seed: int = _f(42, "seed of data order and sampling (each rank adds its rank)")
+    seed: int = _f(42, "seed of data order and sampling (sampling_noise says how)")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")
@@ -279,6 +279,12 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
+    sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
+                             "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
+                             "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
+                             "| rank (the process RNG, seeded seed + rank: draws depend on the batch); vllm samples "
+                             "with its own per-engine stream either way",
+                             ("per_prompt", "rank"))
     rollout_engine: str = _f("lean", "what samples the rollouts: lean (grpo_dist.decoder's preallocated-cache "
                              "decoder for Qwen2/Qwen3/Llama/Mistral, else the transformers forward) | hf (the "
                              "model's own transformers forward) | vllm (one in-process vLLM engine per rank, "
