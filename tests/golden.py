@@ -88,7 +88,7 @@ def record(case: str, tmp: Path) -> None:
     import torch
     got = trajectory(run(case, tmp / case))
     DATA.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(command(case, Path("OUT"))[1:]).replace("torch.distributed.run", "python -m torch.distributed.run")
+    cmd = "python " + " ".join(command(case, Path("OUT"))[1:])
     path(case).write_text(json.dumps({
         "how": "python -m tests.golden --record (tests/golden.py); compared at TOLERANCE by tests/test_golden.py",
         "command": cmd, "torch": torch.__version__, "recorded_on": torch.backends.cpu.get_cpu_capability(),

@@ -1,8 +1,9 @@
 """GRPO must teach: a fixed-seed 2-rank run raises greedy accuracy on held-out problems by more than noise can.
 
 Setup: the demo's base model (the shipped grpo_dist/tools/demo_base; RUNS below were measured with an earlier build
-of the same settings, 0.425 held-out), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml` for STEPS steps,
-evaluating greedy accuracy on the 80 held-out addition problems (never trained on) before and after.
+of the same settings, 0.425 held-out), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config
+configs/demo_cpu.yaml` for STEPS steps, evaluating greedy accuracy on the 80 held-out addition problems (never
+trained on) before and after.
 
 How the margin was chosen. Greedy decoding of a fixed model on a fixed problem set is deterministic, so the noise
 to beat is what *any* run of this many updates of this size does to held-out accuracy. The control is the same run
