@@ -19,7 +19,8 @@ even if the 80 held-out problems were an independent binomial draw at p = 0.425 
 deviation of the measured accuracy would be sqrt(0.425 * 0.575 / 80) = 0.055. MARGIN = 0.15 is 2.7 such standard
 deviations (p < 0.004 one-sided) and 0.075 below the smallest real gain measured (0.225), so the test fails when
 learning is broken and does not flake when it works. Runtime: 35-200 s per run on the shared 2-core box (depending
-on its load). With the shipped base (0.40 held-out), seed 0: 0.40 -> 0.675 (+0.275) in 40 steps.
+on its load). With the shipped base (0.40 held-out), cosine decay and per-row sampling noise, seed 0: 0.40 -> 0.8375
+(+0.44) in 40 steps.
 """
 
 from __future__ import annotations
