@@ -114,7 +114,9 @@ class ModelConfig:
                               "{architecture: qwen2|llama|qwen3, hidden_size, num_hidden_layers, "
                               "num_attention_heads, num_key_value_heads, intermediate_size, tokenizer: "
                               "char|bpe|PATH, vocab_size}")
-    dtype: str = _f("float32", "dtype of the master weights", ("float32", "bfloat16", "float16"))
+    dtype: str = _f("float32", "dtype of the master weights; float64 (CPU, FSDP, lean/hf rollouts, no "
+                    "mixed_precision) makes a run's numbers independent of the CPU's kernels (golden trajectories)",
+                    ("float32", "bfloat16", "float16", "float64"))
     attn_implementation: Optional[str] = _f(None, "sdpa | eager | flash_attention_2 (None: transformers' default)")
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
     init_seed: int = _f(0, "seed of the random init for `tiny` models (same on every rank)")
@@ -237,7 +239,7 @@ class GRPOConfig:
     overwrite_output_dir: bool = _f(False, "start a fresh run in an output_dir that holds another run's checkpoints "
                                     "or metrics, deleting them (without it, and without resume_from_checkpoint, "
                                     "such a start is refused)")
-    seed: int = _f(42, "seed of data order and sampling (each rank adds its rank)")
+    seed: int = _f(42, "seed of data order and sampling (sampling_noise says how)")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")
@@ -277,6 +279,12 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
+    sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
+                             "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
+                             "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
+                             "| rank (the process RNG, seeded seed + rank: draws depend on the batch); vllm samples "
+                             "with its own per-engine stream either way",
+                             ("per_prompt", "rank"))
     rollout_engine: str = _f("lean", "what samples the rollouts: lean (grpo_dist.decoder's preallocated-cache "
                              "decoder for Qwen2/Qwen3/Llama/Mistral, else the transformers forward) | hf (the "
                              "model's own transformers forward) | vllm (one in-process vLLM engine per rank, "
@@ -416,6 +424,7 @@ class GRPOConfig:
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
                        "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
+        bad += _float64_problems(self)
         bad += _health_problems(self.health)
         return bad
 
@@ -488,6 +497,25 @@ class GRPOConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _float64_problems(cfg) -> list[str]:
+    """model.dtype=float64 exists for runs whose numbers must not depend on the CPU's kernels (tests/golden.py):
+    only the paths that tests run in float64 take it (a GPU is refused at start, preflight.check_dtype_device)."""
+    if cfg.model.dtype != "float64":
+        return []
+    bad = []
+    if cfg.distributed.mixed_precision is not None:
+        bad.append(f"config key 'distributed.mixed_precision' = {cfg.distributed.mixed_precision} computes in "
+                   f"16 bits: it defeats model.dtype=float64; set it null")
+    if cfg.distributed.backend != "fsdp":
+        bad.append("config key 'model.dtype' = float64 is supported with distributed.backend=fsdp only")
+    if cfg.distributed.sharding_strategy == "HYBRID_SHARD":
+        bad.append("config key 'distributed.sharding_strategy' = HYBRID_SHARD is not supported with "
+                   "model.dtype=float64; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+    if cfg.rollout_engine == "vllm":
+        bad.append("config key 'model.dtype' = float64 is not supported with rollout_engine=vllm; use lean or hf")
+    return bad
 
 
 # The metrics an evaluation logs (trainer.evaluate): what save_best can judge by.

@@ -10,6 +10,7 @@ averaged over problems.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from grpo_dist.data import render_prompt
 from grpo_dist.rewards.batch import rollout_context
 from grpo_dist.rollout import cut_off, eos_token_ids
 from grpo_dist.rollout_engines import ReplicaRolloutEngine, RolloutEngine, SamplingSpec, generate_batch
+from grpo_dist.sampling_noise import EVAL_STREAM, row_seeds
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -92,10 +94,12 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,
                     batch_size: int = 64, bar=None, records: list | None = None,
-                    sample_out: list | None = None) -> list[int]:
+                    sample_out: list | None = None, step: int = 0) -> list[int]:
     """Per example, how many of its num_samples completions are correct. model: a RolloutEngine or a model.
     With `records`, one dict per completion (problem, reference, completion, correct, cut off) is appended to it;
-    sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion."""
+    sample_out, if given and empty, receives (prompt, completion, reference, correct) of the first completion.
+    Sampled (sampling_noise=per_prompt): each completion's noise is keyed on (seed, step, the example's index,
+    completion index), so pass@k does not depend on the number of ranks or on batch_size."""
     engine = as_rollout_engine(model, cfg, tokenizer)
     sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
                             eos_ids=tuple(eos_token_ids(engine.model, tokenizer)),
@@ -104,6 +108,9 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
         prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
+        if do_sample and cfg.sampling_noise == "per_prompt":
+            sampling = dataclasses.replace(sampling, row_seeds=tuple(row_seeds(
+                cfg.seed, step, [e.index for e in chunk], num_samples, EVAL_STREAM)))
         batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in chunk], sampling,
                                cfg.data.max_prompt_length, "cpu")
         flags = _correct_flags(rewards, batch.completions, batch.references, batch.completion_lengths.tolist(),
@@ -143,10 +150,11 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
-             progress: bool = False, records: list | None = None) -> dict:
+             progress: bool = False, records: list | None = None, step: int = 0) -> dict:
     """Greedy pass@1, the fraction of greedy completions cut off at max_completion_length (no EOS) and, with
     num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
-    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it."""
+    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it.
+    step keys the sampling noise of pass@k (_score_examples)."""
     mine = examples[ctx.rank::ctx.world_size]
     bar: Any = None
     if progress and ctx.is_main and sys.stderr.isatty():
@@ -164,7 +172,7 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
             bar.reset(total=len(mine))
             bar.set_description(f"{num_samples} samples (rank 0)")
         sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
-                                  max(1, batch_size // num_samples), bar) if mine else []
+                                  max(1, batch_size // num_samples), bar, step=step) if mine else []
         sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
     if records is not None:
         records += mine_records

@@ -24,9 +24,15 @@ def _rows_per_chunk(chunk_size: int | None, vocab: int, device=None) -> int:
     return most if chunk_size is None else max(1, min(chunk_size, most))
 
 
+def _out_dtype(logits) -> torch.dtype:
+    """fp32, or fp64 for fp64 logits (model.dtype=float64: nothing rounded to fp32 on the way)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def _scaled_chunk(logits, s, e, temperature):
-    """Rows s:e of the logits in fp32, divided by the temperature (x / 1.0 would be a pass for nothing)."""
-    x = logits[s:e].float()
+    """Rows s:e of the logits in fp32 (fp64 ones stay fp64), divided by the temperature (x / 1.0 would be a pass
+    for nothing)."""
+    x = logits[s:e].to(_out_dtype(logits))
     return x / temperature if temperature != 1.0 else x
 
 
@@ -38,7 +44,7 @@ def _chunk_log_softmax(logits, s, e, temperature):
 def _chunked_log_probs(logits, labels, chunk_size, temperature, entropy_out=None):
     rows = logits.shape[0]
     chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1], logits.device)
-    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    out = torch.empty(rows, dtype=_out_dtype(logits), device=logits.device)
     for s in range(0, rows, chunk_size):
         e = s + chunk_size
         logp = _chunk_log_softmax(logits, s, e, temperature)
@@ -119,7 +125,7 @@ class _SelectiveLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, chunk_size, temperature, overwrite_logits):
-        entropy = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(logits.shape[0], dtype=_out_dtype(logits), device=logits.device)
         out = _chunked_log_probs(logits, labels, chunk_size, temperature, entropy)
         ctx.save_for_backward(logits, labels, entropy)
         ctx.chunk_size = _rows_per_chunk(chunk_size, logits.shape[-1], logits.device)
@@ -159,9 +165,9 @@ def selective_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, 
 def token_entropy(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of the next-token distribution per position, fp32, chunked (a monitoring signal, no grad)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    out = torch.empty(flat.shape[0], dtype=_out_dtype(flat), device=logits.device)
     chunk_size = _rows_per_chunk(chunk_size, flat.shape[-1], flat.device)
     for s in range(0, flat.shape[0], chunk_size):
-        lp = torch.log_softmax(flat[s:s + chunk_size].float(), dim=-1)
+        lp = torch.log_softmax(flat[s:s + chunk_size].to(out.dtype), dim=-1)
         out[s:s + chunk_size] = -(lp.exp() * lp).sum(-1)
     return out.view(logits.shape[:-1])

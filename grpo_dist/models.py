@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from grpo_dist.config import TINY_DEFAULTS, ConfigError, ModelConfig, tiny_problems
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64: CPU only (preflight.check_dtype_device), for runs whose numbers must not depend on the CPU's kernels
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # distributed.mixed_precision -> the compute dtype (FSDP MixedPrecision, the generation replica)
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]

@@ -45,6 +45,7 @@ def run(cfg, ctx):
             check_model_source("model.name_or_path", cfg.model.name_or_path)
             check_model_source("model.tokenizer", cfg.model.tokenizer)
             check_context_length(cfg)
+            check_dtype_device(cfg, ctx.device)
             for key in ("path", "eval_path"):
                 check_data_file(f"data.{key}", getattr(cfg.data, key))
         except (ConfigError, OutputDirInUse) as e:
@@ -225,6 +226,13 @@ def context_limit(conf: dict) -> tuple[int, str] | None:
             if int(original * factor) > n:
                 return int(original * factor), f"{how}, rope scaling {kind} x{factor:g} of {original}"
     return n, how
+
+
+def check_dtype_device(cfg, device) -> None:
+    """float64 is a CPU dtype here: GPUs run it at a small fraction of their speed, and nccl runs have bf16."""
+    if cfg.model.dtype == "float64" and device.type != "cpu":
+        raise ConfigError(f"config key 'model.dtype' = float64 runs on the CPU only (this run is on {device.type}); "
+                          f"use float32 or bfloat16")
 
 
 def check_data_file(key: str, value) -> None:

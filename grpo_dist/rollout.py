@@ -18,6 +18,7 @@ import torch
 
 from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
 from grpo_dist.decoder import LeanDecoder, lean_decoder_unsupported
+from grpo_dist.sampling_noise import row_noise
 
 
 @dataclass
@@ -136,12 +137,15 @@ def _filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return scores
 
 
-def sample_from_scores(scores: torch.Tensor) -> torch.Tensor:
+def sample_from_scores(scores: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from softmax(scores) by inverse CDF: a single uniform number per row. torch.multinomial
     draws an exponential variate for every vocabulary entry, 15x slower at vocab 1k (bench/generation.py).
-    Tokens with probability 0 (filtered to -inf) are never drawn: the CDF does not rise there."""
+    Tokens with probability 0 (filtered to -inf) are never drawn: the CDF does not rise there. uniforms: [rows]
+    in [0, 1), this step's column of the rows' own noise (grpo_dist.sampling_noise); None: the process RNG."""
     cdf = scores.softmax(-1).cumsum_(-1)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(cdf.shape[0], device=cdf.device, dtype=cdf.dtype)
+    u = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
@@ -196,14 +200,16 @@ def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  min_new_tokens: int, do_sample: bool, eos_ids: torch.Tensor, pad: int,
-                 logprobs_out: list | None = None) -> torch.Tensor:
+                 logprobs_out: list | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
     prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
     draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
     receives per step the fp32 log-prob of each row's token under the distribution it was drawn from (temperature,
-    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax)."""
+    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax). noise: [rows,
+    max_new_tokens] uniforms (grpo_dist.sampling_noise.row_noise), row i's token t drawn with noise[i, t]; None: the
+    process RNG (then a row's draws depend on the other rows of the batch)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
     # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
@@ -218,7 +224,7 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
             if temperature != 1.0:
                 scores = scores / temperature
             scores = _filter_scores(scores, top_k, top_p)
-            nxt = sample_from_scores(scores)
+            nxt = sample_from_scores(scores, None if noise is None else noise[:, t])
         else:
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
@@ -238,7 +244,8 @@ def generate_rollouts(model, tokenizer, prompts: Sequence[str | RenderedPrompt],
                       top_p: float = 1.0, top_k: int = 0, max_prompt_length: int = 512,
                       generation_batch_size: int | None = None,
                       min_completion_length: int = 0, do_sample: bool = True, use_hf_generate: bool = False,
-                      lean_decoder: bool = True, **generate_kwargs) -> RolloutBatch:
+                      lean_decoder: bool = True, row_seeds: Sequence[int] | None = None,
+                      **generate_kwargs) -> RolloutBatch:
     """Sample num_generations completions for each prompt (rows grouped prompt by prompt).
 
     A lean KV-cached loop does the sampling (HF `generate` spends more time in per-token Python than in the model
@@ -246,7 +253,8 @@ def generate_rollouts(model, tokenizer, prompts: Sequence[str | RenderedPrompt],
     prefilled once for its G rows), else on the model's own forward (lean_decoder=False forces that). Extra keyword
     arguments (e.g. logits processors, stop strings) or use_hf_generate=True route through `model.generate` instead.
     Only temperature / top_k / top_p / min length from here apply in the lean loop; a checkpoint's
-    generation_config.json sampling defaults do not."""
+    generation_config.json sampling defaults do not. row_seeds: one per row (grpo_dist.sampling_noise.row_seeds):
+    each row samples from its own noise, whatever the batch; None: the process RNG (model.generate always)."""
     device = next(model.parameters()).device
     unique_ids, unique_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
     ids, mask = unique_ids.repeat_interleave(num_generations, 0), unique_mask.repeat_interleave(num_generations, 0)
@@ -274,7 +282,9 @@ def generate_rollouts(model, tokenizer, prompts: Sequence[str | RenderedPrompt],
             pieces.append(_sample_loop(decoder, unique_ids[uniq], unique_mask[uniq], repeats,
                                        max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
                                        top_k=top_k, min_new_tokens=min_completion_length, do_sample=do_sample,
-                                       eos_ids=eos_ids, pad=pad).clone())
+                                       eos_ids=eos_ids, pad=pad,
+                                       noise=None if row_seeds is None or not do_sample else
+                                       row_noise(row_seeds[s:s + chunk], max_completion_length, device)).clone())
     width = max(p.shape[1] for p in pieces)
     completion_ids = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
     row = 0

@@ -33,6 +33,7 @@ import torch
 from grpo_dist.config import ConfigError
 from grpo_dist.data.prompts import RenderedPrompt
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
+from grpo_dist.sampling_noise import row_noise
 
 
 @dataclass
@@ -46,6 +47,9 @@ class SamplingSpec:
     top_k: int = 0                  # 0: off
     greedy: bool = False            # argmax decoding (evaluation); temperature / top-k / top-p are then unused
     min_tokens: int = 0
+    # one generator seed per row (prompts x n, grouped by prompt; grpo_dist.sampling_noise.row_seeds): each row
+    # draws from its own noise, whatever the batch, rank or chunk; None: the process RNG
+    row_seeds: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -114,10 +118,12 @@ class ReplicaRolloutEngine(RolloutEngine):
             uniq, repeats = torch.unique_consecutive(torch.arange(s, min(s + chunk, rows), device=device) // n,
                                                      return_counts=True)
             steps: list[torch.Tensor] = []
+            noise = None if sampling.row_seeds is None or sampling.greedy else \
+                row_noise(sampling.row_seeds[s:s + chunk], sampling.max_tokens, device)
             tokens = _sample_loop(decoder, ids[uniq], mask[uniq], repeats, max_new_tokens=sampling.max_tokens,
                                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                   min_new_tokens=sampling.min_tokens, do_sample=not sampling.greedy, eos_ids=eos,
-                                  pad=self.pad_id, logprobs_out=steps)
+                                  pad=self.pad_id, logprobs_out=steps, noise=noise)
             logprobs = torch.stack(steps, 1)
             for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
                 row_ids, row_lp = trim_at_eos(row_ids, row_lp, sampling.eos_ids)

@@ -50,6 +50,7 @@ from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
+from grpo_dist.sampling_noise import row_seeds
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -87,7 +88,8 @@ class GRPOTrainer:
         if cfg.distributed.cpu_offload and ctx.device.type == "cpu":
             raise ConfigError("config key 'distributed.cpu_offload' = true does not apply to a CPU-only run: the "
                               "parameters and optimizer state are in host memory already; set it false")
-        self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
+        # sampling_noise=rank (and vLLM, dropout): each rank its own stream; per_prompt rollouts do not read it
+        self._seed_everything(cfg.seed + ctx.rank)
         # Data and reward functions first: their mistakes are named before minutes of model loading.
         self.train_examples = self._load_split("train")
         self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
@@ -442,18 +444,32 @@ class GRPOTrainer:
         return batch, rewards, per_function, sampling
 
     def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
+        """G completions of each of `examples`, the data sampler's last batch (its place keys the sampling noise)."""
         cfg = self.cfg
         if refresh:
             self.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
         return generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
-                              self.sampling_spec(), cfg.data.max_prompt_length, self.ctx.device)
+                              self.sampling_spec(row_seeds=self._row_seeds(len(examples))),
+                              cfg.data.max_prompt_length, self.ctx.device)
 
-    def sampling_spec(self, greedy: bool = False, n: int | None = None) -> SamplingSpec:
+    def _row_seeds(self, num_prompts: int) -> tuple[int, ...] | None:
+        """sampling_noise=per_prompt: each row's noise from (seed, global batch number, place of its prompt in the
+        global batch, completion index), so that no rank, batch or chunk changes what a prompt draws."""
+        if self.cfg.sampling_noise != "per_prompt" or self.cfg.rollout_engine == "vllm":  # vLLM: its own sampler
+            return None
+        where = self.sampler.last_prompt_indices
+        if len(where) != num_prompts:
+            raise ValueError(f"rollout of {num_prompts} prompts, but the data sampler's last batch had {len(where)}")
+        return tuple(row_seeds(self.cfg.seed, self.sampler.last_batch_number, where, self.cfg.num_generations))
+
+    def sampling_spec(self, greedy: bool = False, n: int | None = None,
+                      row_seeds: tuple[int, ...] | None = None) -> SamplingSpec:
         cfg = self.cfg
         return SamplingSpec(n=n or cfg.num_generations, max_tokens=cfg.max_completion_length,
                             eos_ids=tuple(eos_token_ids(self.hf_model, self.tokenizer)),
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
+                            row_seeds=row_seeds)
 
     def sync_rollout_weights(self) -> None:
         """The policy's current weights into the rollout engine, streamed one FSDP unit at a time in the compute

@@ -5,7 +5,8 @@
 #   bash launch/demo.sh --real [OUTPUT_DIR]   (default outputs/demo_real: the real SmolLM2-135M-Instruct, below)
 #
 # 1. sets up a virtual environment (.venv, created if missing; torch==2.13.0 CPU build + this package)
-# 2. builds the base model (cached in outputs/demo_base: a 0.5 M-parameter Qwen2 warm-started on noisy answers)
+# 2. the base model: the copy shipped in grpo_dist/tools/demo_base (a 0.47 M-parameter Qwen2 warm-started on noisy
+#    answers, the same bytes on every machine); with DEMO_BASE=DIR, the one `build-base` builds (or cached) there
 # 3. evaluates it on held-out problems (greedy pass@1 and pass@8)
 # 4. trains it with GRPO on 2 CPU processes:
 #      torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml
@@ -18,8 +19,9 @@
 # the summary prints a few completions before and after (OUTPUT_DIR/sample_completions.jsonl pairs them all).
 #
 # Environment: VENV (default .venv), PYTHON (interpreter that creates it, default python3),
-# DEMO_BASE (base model dir, default outputs/demo_base), DEMO_SAMPLES (samples per problem for pass@k, --real only,
-# default 4); extra key=value args after OUTPUT_DIR go to the trainer (with --real also to both evaluations).
+# DEMO_BASE (a directory where `build-base` builds, or finds cached, a base model used instead of the shipped one),
+# DEMO_SAMPLES (samples per problem for pass@k, --real only, default 4); extra key=value args after OUTPUT_DIR go
+# to the trainer (with --real also to both evaluations).
 set -euo pipefail
 START=$(date +%s.%N)
 cd "$(dirname "$0")/.."
@@ -31,7 +33,7 @@ fi
 OUT=${1:-$([ $REAL = 1 ] && echo outputs/demo_real || echo outputs/demo)}
 shift || true
 VENV=${VENV:-.venv}
-BASE=${DEMO_BASE:-outputs/demo_base}
+BASE=${DEMO_BASE:-grpo_dist/tools/demo_base}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -64,7 +66,11 @@ if [ $REAL = 1 ]; then
 fi
 
 step "2/5 base model ($BASE)"
-"$PY" -m grpo_dist.tools.demo build-base --out "$BASE"
+if [ -n "${DEMO_BASE:-}" ]; then
+  "$PY" -m grpo_dist.tools.demo build-base --out "$BASE"
+else
+  echo "the shipped base model (python -m grpo_dist.tools.demo build-base rebuilds it; see its --help)"
+fi
 
 # A previous demo in the same OUTPUT_DIR: start clean (metrics.jsonl appends, checkpoints would be resumed).
 if [ -d "$OUT" ]; then

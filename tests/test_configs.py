@@ -75,7 +75,8 @@ def test_demo_config_matches_base_model_task():
     """The demo trains on the task the base model was warm-started on (same operands, same held-out split)."""
     from grpo_dist.tools.demo import BaseSettings, arithmetic_opts
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml")
-    assert cfg.model.name_or_path == "outputs/demo_base"
+    from grpo_dist.tools.demo import SHIPPED_BASE
+    assert (ROOT / cfg.model.name_or_path).resolve() == SHIPPED_BASE  # the shipped copy
     assert cfg.data.arithmetic == arithmetic_opts(BaseSettings())
     assert cfg.rewards[0]["function"] == "grpo_dist.rewards:number_match"
     assert cfg.max_completion_length >= len(str(2 * BaseSettings().max_operand)) + 1  # digits + EOS

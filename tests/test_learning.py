@@ -1,8 +1,9 @@
 """GRPO must teach: a fixed-seed 2-rank run raises greedy accuracy on held-out problems by more than noise can.
 
-Setup: the demo's base model (grpo_dist.tools.demo build-base defaults, cached in <repo>/.cache/test_learning_base after
-the first build), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_cpu.yaml` for STEPS steps,
-evaluating greedy accuracy on the 80 held-out addition problems (never trained on) before and after.
+Setup: the demo's base model (the shipped grpo_dist/tools/demo_base; RUNS below were measured with an earlier build
+of the same settings, 0.425 held-out), then `torchrun --nproc_per_node 2 -m grpo_dist.train --config
+configs/demo_cpu.yaml` for STEPS steps, evaluating greedy accuracy on the 80 held-out addition problems (never
+trained on) before and after.
 
 How the margin was chosen. Greedy decoding of a fixed model on a fixed problem set is deterministic, so the noise
 to beat is what *any* run of this many updates of this size does to held-out accuracy. The control is the same run
@@ -18,7 +19,8 @@ even if the 80 held-out problems were an independent binomial draw at p = 0.425 
 deviation of the measured accuracy would be sqrt(0.425 * 0.575 / 80) = 0.055. MARGIN = 0.15 is 2.7 such standard
 deviations (p < 0.004 one-sided) and 0.075 below the smallest real gain measured (0.225), so the test fails when
 learning is broken and does not flake when it works. Runtime: 35-200 s per run on the shared 2-core box (depending
-on its load), plus ~95 s the first time to build the base model (cached in .cache/ after that).
+on its load). With the shipped base (0.40 held-out), cosine decay and per-row sampling noise, seed 0: 0.40 -> 0.8375
+(+0.44) in 40 steps.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def no_signal_reward(completion: str, reference: str) -> float:
 
 
 def _base_dir() -> Path:
-    from grpo_dist.tools.demo import build_base
-    return build_base(ROOT / ".cache" / "test_learning_base", log=lambda *a: None)
+    from grpo_dist.tools.demo import SHIPPED_BASE  # the demo's base, the same on every machine
+    return SHIPPED_BASE
 
 
 def _held_out_accuracy(model_dir: Path) -> float:

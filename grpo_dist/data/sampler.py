@@ -41,6 +41,10 @@ class PromptSampler:
         self._step = 0
         self._perm_epoch: Optional[int] = None
         self._perm: Any = None  # numpy permutation of epoch _perm_epoch
+        # where next_batch's last batch sits (the per-prompt sampling noise is keyed on it, grpo_dist.sampling_noise):
+        # global batches drawn before it, and each of its prompts' place in the global batch
+        self.last_batch_number = 0
+        self.last_prompt_indices: list[int] = []
 
     @property
     def epoch(self) -> int:
@@ -70,6 +74,8 @@ class PromptSampler:
         perm = self.permutation(self._epoch)
         start = self._step * self.global_batch + self.rank * self.prompts_per_rank
         batch = [self.examples[int(i)] for i in perm[start:start + self.prompts_per_rank]]
+        self.last_batch_number = self._epoch * self._steps_per_epoch + self._step
+        self.last_prompt_indices = [self.rank * self.prompts_per_rank + i for i in range(len(batch))]
         self._step += 1
         if self._step >= self._steps_per_epoch:
             self._epoch += 1

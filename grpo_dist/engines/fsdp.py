@@ -115,7 +115,27 @@ class FSDPEngine(TorchEngine):
 
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:
+        if self.cfg.model.dtype == "float64":
+            return self._clip_grad_norm_float64(max_norm)
         return float(self.module.clip_grad_norm_(max_norm))  # type: ignore[operator]  # global norm over all shards: same on all ranks
+
+    @torch.no_grad()
+    def _clip_grad_norm_float64(self, max_norm: float) -> float:
+        """FSDP's clip_grad_norm_ takes its norms in fp32 and refuses fp64 gradients: the same clipping in fp64.
+        The squares of this rank's gradient shards, summed over the ranks (NO_SHARD ranks hold every gradient
+        whole; HYBRID_SHARD is refused with float64 by the config), then torch's clip coefficient. Collective."""
+        import torch.distributed as dist
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for g in grads:
+            squares += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        if self.ctx.world_size > 1 and self.cfg.distributed.sharding_strategy != "NO_SHARD":
+            dist.all_reduce(squares)  # every rank, whatever its shard holds
+        total = squares.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return float(total)
 
     # ---------------------------------------------------------------------------------------------- generation
     def _full_params(self):

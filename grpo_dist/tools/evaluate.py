@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                             "held-out split (gsm8k, math, arithmetic) or sets data.eval_path")
         examples = examples[:args.limit] if args.limit else examples
         examples = truncate_long_prompts(examples, cfg.data.max_prompt_length, "evaluation data", ctx.is_main)
-        torch.manual_seed(cfg.seed + ctx.rank)  # reproducible samples for pass@k (greedy needs no seed)
+        torch.manual_seed(cfg.seed + ctx.rank)  # pass@k with sampling_noise=rank (per_prompt seeds each row)
         tokenizer = load_tokenizer(cfg.model)
         t0 = time.perf_counter()
         if ctx.is_main:
