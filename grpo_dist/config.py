@@ -277,6 +277,10 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
+    decode_compaction_threshold: Optional[float] = _f(0.25, "lean / hf engines: once finished rows are this "
+                                                      "fraction of the decode batch, they leave it (KV cache, "
+                                                      "positions, masks, noise; grpo_dist/compaction.py), so decode "
+                                                      "cost follows the tokens generated; in (0, 1]; null: never")
     sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
                              "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
                              "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
@@ -420,6 +424,7 @@ class GRPOConfig:
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "
                        "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
+        bad += self._decoder_problems()
         bad += _health_problems(self.health)
         return bad
 
@@ -448,6 +453,12 @@ class GRPOConfig:
             bad.append("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
                               "checkpoints hold the adapter (small); use full or auto")
         return bad
+
+    def _decoder_problems(self) -> list[str]:
+        t = self.decode_compaction_threshold
+        if t is not None and not 0 < t <= 1:
+            return [f"config key 'decode_compaction_threshold' must be in (0, 1] or null (never), got {t}"]
+        return []
 
     def _rollout_engine_problems(self) -> list[str]:
         bad: list[str] = []

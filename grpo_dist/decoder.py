@@ -231,8 +231,10 @@ class LeanDecoder:
         # the [rows * kv_heads, ...] batches of step()
         self.key_bias = torch.zeros(rows, P + max_new_tokens, dtype=dtype, device=dev).masked_fill_(
             ~key_valid, float("-inf")).repeat_interleave(self.n_kv, 0)[:, None, :]
+        self._key_bias_rows = self.key_bias.view(rows, self.n_kv, 1, P + max_new_tokens)  # compact() moves rows
         x = F.embedding(ids, self.embed)
         self.cache = []
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # the whole preallocated caches
         for w in self.layers:
             qk, v = self._qk_v(w, x, cos, ssin)
             q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
@@ -244,6 +246,7 @@ class LeanDecoder:
             k_cache[:, :, :P] = expand(k)
             v_cache[:, :, :P] = expand(v)
             self.cache.append((k_cache, v_cache))
+        self._buffers = list(self.cache)
         self.next_position = expand(positions[:, -1] + 1)
         return expand(self._logits(x[:, -1]))
 
@@ -271,3 +274,16 @@ class LeanDecoder:
         self.length = L
         self.next_position = pos + 1
         return self._logits(x)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the decode rows `keep` (ascending indices into the current rows; grpo_dist.compaction): they
+        move to the front of the preallocated cache, whose first len(keep) rows become the decode batch (no new
+        allocation; the buffers keep their addresses, as CUDA graphs need)."""
+        n, L = len(keep), self.length
+        for k_buf, v_buf in self._buffers:
+            k_buf[:n, :, :L] = k_buf[keep, :, :L]
+            v_buf[:n, :, :L] = v_buf[keep, :, :L]
+        self.cache = [(k[:n], v[:n]) for k, v in self._buffers]
+        self._key_bias_rows[:n] = self._key_bias_rows[keep]
+        self.key_bias = self._key_bias_rows[:n].flatten(0, 1)
+        self.next_position = self.next_position[keep]
