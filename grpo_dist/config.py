@@ -281,6 +281,9 @@ class GRPOConfig:
                                                       "fraction of the decode batch, they leave it (KV cache, "
                                                       "positions, masks, noise; grpo_dist/compaction.py), so decode "
                                                       "cost follows the tokens generated; in (0, 1]; null: never")
+    lean_cuda_graphs: bool = _f(False, "rollout_engine=lean on CUDA: replay each decode step from a CUDA graph "
+                                "captured per decode batch size (the step is launch-bound at small models; "
+                                "grpo_dist/decoder.py CUDAGraphSteps); needs a CUDA device")
     sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
                              "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
                              "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
@@ -455,10 +458,13 @@ class GRPOConfig:
         return bad
 
     def _decoder_problems(self) -> list[str]:
+        bad = []
         t = self.decode_compaction_threshold
         if t is not None and not 0 < t <= 1:
-            return [f"config key 'decode_compaction_threshold' must be in (0, 1] or null (never), got {t}"]
-        return []
+            bad.append(f"config key 'decode_compaction_threshold' must be in (0, 1] or null (never), got {t}")
+        if self.lean_cuda_graphs and self.rollout_engine != "lean":
+            bad.append(f"config key 'lean_cuda_graphs' = true needs rollout_engine=lean, got {self.rollout_engine}")
+        return bad  # (lean_cuda_graphs on a machine without CUDA: preflight.check_cuda_graphs)
 
     def _rollout_engine_problems(self) -> list[str]:
         bad: list[str] = []
