@@ -55,7 +55,12 @@ def main():
     ap.add_argument("--thresholds", type=float, nargs="*", default=[0.25], help="--long-tail: compaction thresholds")
     ap.add_argument("--engines", nargs="*", default=["lean"], help="--long-tail: lean, hf")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="--long-tail: cpu or cuda")
+    ap.add_argument("--cuda-graphs", action="store_true", help="--long-tail on cuda: lean also with CUDA graphs "
+                    "(lean_cuda_graphs), as engine 'lean+graphs'")
     args = ap.parse_args()
+    if args.cuda_graphs and args.device == "cpu":
+        ap.error("--cuda-graphs needs --device cuda")
     if args.long_tail:
         return long_tail(args)
 
@@ -175,35 +180,38 @@ def long_tail(args) -> None:
     cfg = load_config(None, [f"model.name_or_path={args.model}" if args.model else
                              tiny_override(args.tiny_hidden, args.tiny_layers, args.tiny_vocab)])
     tok = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, tok).eval().requires_grad_(False)
+    model = load_model(cfg.model, tok).eval().requires_grad_(False).to(args.device)
     prepare_replica(model)
+    engines = list(args.engines) + (["lean+graphs"] if args.cuda_graphs else [])
     G = args.num_generations
     prompts = max(1, args.rows // G)
     rows = prompts * G
     lengths = torch.tensor(long_tail_lengths(rows, args.scale, args.seed))
     cap = int(lengths.max())
     g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(3, min(len(tok), 1000), (prompts, 24), generator=g)
+    ids = torch.randint(3, min(len(tok), 1000), (prompts, 24), generator=g).to(args.device)
     mask = torch.ones_like(ids)
-    repeats = torch.full((prompts,), G)
-    noise = row_noise(row_seeds(args.seed, 0, range(prompts), G), cap, "cpu")
+    repeats = torch.full((prompts,), G, device=args.device)
+    noise = row_noise(row_seeds(args.seed, 0, range(prompts), G), cap, args.device)
     eos = tok.eos_token_id
 
     def run(engine, threshold):
-        decoder = (LeanDecoder if engine == "lean" else HFDecoder)(model)
+        decoder = HFDecoder(model) if engine == "hf" else LeanDecoder(model, cuda_graphs=engine == "lean+graphs")
         steps: list = []
         stats: dict = {}
         t0 = time.perf_counter()
         tokens = _sample_loop(ForcedLengths(decoder, lengths, eos), ids, mask, repeats, max_new_tokens=cap,
                               temperature=1.0, top_p=1.0, top_k=0, min_new_tokens=0, do_sample=True,
-                              eos_ids=torch.tensor([eos]), pad=tok.pad_token_id, logprobs_out=steps, noise=noise,
-                              compaction_threshold=threshold, stats=stats)
+                              eos_ids=torch.tensor([eos], device=args.device), pad=tok.pad_token_id,
+                              logprobs_out=steps, noise=noise, compaction_threshold=threshold, stats=stats)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         lp = torch.stack(steps, 1)
-        kept = [(tokens[i, :n], lp[i, :n]) for i, n in enumerate(lengths.tolist())]
+        kept = [(tokens[i, :n].cpu(), lp[i, :n].cpu()) for i, n in enumerate(lengths.tolist())]
         return wall, stats["decode_row_steps"], kept
 
-    settings = [(e, t) for e in args.engines for t in [None] + list(args.thresholds)]
+    settings = [(e, t) for e in engines for t in [None] + list(args.thresholds)]
     times: dict = {s: [] for s in settings}
     computed, outputs = {}, {}
     for rep in range(args.reps):
@@ -218,15 +226,15 @@ def long_tail(args) -> None:
     print(f"{'engine':6} {'threshold':>9} {'decode s':>9} {'rows computed':>14} {'padding':>8} {'identical':>9}")
     result: dict = {"rows": rows, "tokens_generated": useful, "max_length": cap, "scale": args.scale,
                     "threads": args.threads, "load_average": round(os.getloadavg()[0], 2), "settings": []}
-    for e, t in settings:
-        same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                   for a, b in zip(outputs[(e, t)], outputs[(e, None)]))
+    for e, t in settings:  # identical: to the same engine without compaction (lean+graphs: to eager lean)
+        ref = outputs[("lean" if e == "lean+graphs" and "lean" in engines else e, None)]
+        same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(outputs[(e, t)], ref))
         sec, pad = statistics.median(times[(e, t)]), 1 - useful / computed[(e, t)]
         print(f"{e:6} {str(t):>9} {sec:9.2f} {computed[(e, t)]:14d} {pad:8.1%} {str(same):>9}")
         result["settings"].append({"engine": e, "threshold": t, "decode_s": round(sec, 3),
                                    "rows_computed": computed[(e, t)], "padding_fraction": round(pad, 4),
                                    "identical": same})
-    for e in args.engines:
+    for e in engines:
         off = statistics.median(times[(e, None)])
         for t in args.thresholds:
             result[f"{e}_time_ratio_{t}"] = round(statistics.median(times[(e, t)]) / off, 3)

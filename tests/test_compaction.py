@@ -152,3 +152,22 @@ def test_trainer_logs_decode_tokens_summed_over_ranks(tmp_path):
     for m in (m0, m1):
         assert m["tokens/useful_decode"] == sum(l0) + sum(l1)
         assert m["tokens/processed_decode"] == want
+
+
+def test_long_tail_bench_prints_identical_outputs_and_less_padding():
+    """bench/generation.py --long-tail (figures are not checked, only its JSON line and what must hold)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "generation.py"), "--long-tail", "--rows", "16",
+                        "--scale", "0.03", "--reps", "1", "--tiny-hidden", "32", "--tiny-layers", "1",
+                        "--engines", "lean", "hf"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    by = {(s["engine"], s["threshold"]): s for s in last["settings"]}
+    assert all(s["identical"] for s in last["settings"])
+    for engine in ("lean", "hf"):
+        assert by[(engine, 0.25)]["rows_computed"] < by[(engine, None)]["rows_computed"] == 16 * last["max_length"]
