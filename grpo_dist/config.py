@@ -279,6 +279,13 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     generation_batch_size: Optional[int] = _f(None, "sequences generated at once per rank (None: all)")
+    decode_compaction_threshold: Optional[float] = _f(0.25, "lean / hf engines: once finished rows are this "
+                                                      "fraction of the decode batch, they leave it (KV cache, "
+                                                      "positions, masks, noise; grpo_dist/compaction.py), so decode "
+                                                      "cost follows the tokens generated; in (0, 1]; null: never")
+    lean_cuda_graphs: bool = _f(False, "rollout_engine=lean on CUDA: replay each decode step from a CUDA graph "
+                                "captured per decode batch size (the step is launch-bound at small models; "
+                                "grpo_dist/decoder.py CUDAGraphSteps); needs a CUDA device")
     sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
                              "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
                              "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
@@ -425,6 +432,7 @@ class GRPOConfig:
                        "checkpoint-<step>/deepspeed/ next to the HF weights")
         bad += self._rollout_engine_problems()
         bad += _float64_problems(self)
+        bad += self._decoder_problems()
         bad += _health_problems(self.health)
         return bad
 
@@ -453,6 +461,15 @@ class GRPOConfig:
             bad.append("config key 'save_format' = sharded is not supported with LoRA (lora.r > 0): "
                               "checkpoints hold the adapter (small); use full or auto")
         return bad
+
+    def _decoder_problems(self) -> list[str]:
+        bad = []
+        t = self.decode_compaction_threshold
+        if t is not None and not 0 < t <= 1:
+            bad.append(f"config key 'decode_compaction_threshold' must be in (0, 1] or null (never), got {t}")
+        if self.lean_cuda_graphs and self.rollout_engine != "lean":
+            bad.append(f"config key 'lean_cuda_graphs' = true needs rollout_engine=lean, got {self.rollout_engine}")
+        return bad  # (lean_cuda_graphs on a machine without CUDA: preflight.check_cuda_graphs)
 
     def _rollout_engine_problems(self) -> list[str]:
         bad: list[str] = []

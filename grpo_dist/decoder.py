@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq does not change with the sequence length
+ATTENTION_WIDTH = 64  # a decode step attends over the keys rounded up to a multiple of this (attention_width)
 
 
 def lean_decoder_unsupported(model, total_length: int) -> str | None:
@@ -148,9 +149,13 @@ class LeanDecoder:
     """prefill(ids, mask, repeats, max_new_tokens) once, then step(tokens) per token; each returns next-token logits
     [rows, vocab]. Built per rollout from the model's current weights (views, no copies)."""
 
-    def __init__(self, model):
+    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True):
         config, inner = model.config, model.model
-        fused = fused_projections(model) or [None] * len(inner.layers)
+        # decode steps replayed from CUDA graphs, one per decode batch size (CUDAGraphSteps; config lean_cuda_graphs);
+        # capture=False runs the same static steps without graphs (what the CPU tests check)
+        self.graphs = CUDAGraphSteps(self, capture) if cuda_graphs else None
+        unfused: list[Any] = [None] * len(inner.layers)
+        fused: list[Any] = fused_projections(model) or unfused
         first = inner.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
@@ -231,8 +236,10 @@ class LeanDecoder:
         # the [rows * kv_heads, ...] batches of step()
         self.key_bias = torch.zeros(rows, P + max_new_tokens, dtype=dtype, device=dev).masked_fill_(
             ~key_valid, float("-inf")).repeat_interleave(self.n_kv, 0)[:, None, :]
+        self._key_bias_rows = self.key_bias.view(rows, self.n_kv, 1, P + max_new_tokens)  # compact() moves rows
         x = F.embedding(ids, self.embed)
         self.cache = []
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # the whole preallocated caches
         for w in self.layers:
             qk, v = self._qk_v(w, x, cos, ssin)
             q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
@@ -244,30 +251,130 @@ class LeanDecoder:
             k_cache[:, :, :P] = expand(k)
             v_cache[:, :, :P] = expand(v)
             self.cache.append((k_cache, v_cache))
-        self.next_position = expand(positions[:, -1] + 1)
+        self._buffers = list(self.cache)
+        self._finite_columns = P  # columns written (the prompt's); attention_width zeroes more before they are read
+        self._positions = expand(positions[:, -1] + 1)  # every row's next position; its first rows are decoded
+        self.next_position = self._positions
+        if self.graphs is not None:
+            self.graphs.reset()
         return expand(self._logits(x[:, -1]))
 
     # ------------------------------------------------------------------------------------------------ decode
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([rows] long); returns the next-token logits [rows, vocab]."""
-        col, L = self.length, self.length + 1
+        if self.graphs is not None:
+            return self.graphs.step(tokens)
+        col = self.length
+        logits = self.static_step(tokens, self.next_position, col, self.attention_width(col + 1))
+        self.length = col + 1
+        self.next_position.add_(1)
+        return logits
+
+    def attention_width(self, length: int) -> int:
+        """Cache columns a decode step attends over for `length` keys: length rounded up to ATTENTION_WIDTH (the
+        extra ones masked), so that a CUDA graph captured for one width serves ATTENTION_WIDTH steps, and the eager
+        step does the graph's arithmetic exactly. The columns up to that width are kept finite (zeroed before
+        first use): a masked key still enters the matmul, and 0 x NaN would be NaN."""
+        width = min(self.key_bias.shape[-1], -(-length // ATTENTION_WIDTH) * ATTENTION_WIDTH)
+        if width > self._finite_columns:
+            for k_buf, v_buf in self._buffers:
+                k_buf[:, :, self._finite_columns:width].zero_()
+                v_buf[:, :, self._finite_columns:width].zero_()
+            self._finite_columns = width
+        return width
+
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int | torch.Tensor,
+                    width: int) -> torch.Tensor:
+        """One decode step: the token of each row goes into cache column `col` (an int, or a [1] long tensor: then
+        no Python number changes from step to step, what a CUDA graph captures) and attention reads the first
+        `width` columns, those after col masked out. tokens, positions: [rows]. Returns the logits; self.length and
+        the positions are the caller's to move."""
         H, Hkv, D, B = self.n_heads, self.n_kv, self.head_dim, tokens.shape[0]
-        pos = self.next_position
-        cos, ssin = self.cos[pos][:, None], self.signed_sin[pos][:, None]
-        bias = self.key_bias[..., :L]
+        cos, ssin = self.cos[positions][:, None], self.signed_sin[positions][:, None]
+        later = torch.arange(width, device=tokens.device) > col
+        bias = self.key_bias[..., :width].masked_fill(later, float("-inf"))
         x = F.embedding(tokens, self.embed)
         for w, (k_cache, v_cache) in zip(self.layers, self.cache):
             qk, v = self._qk_v(w, x, cos, ssin)
-            k_cache[:, :, col] = qk[:, H:]
-            v_cache[:, :, col] = v
+            if isinstance(col, int):
+                k_cache[:, :, col] = qk[:, H:]
+                v_cache[:, :, col] = v
+            else:
+                k_cache.index_copy_(2, col, qk[:, H:, None])
+                v_cache.index_copy_(2, col, v[:, :, None])
             # grouped-query attention, one query per row: the H/Hkv query heads of each kv head against its cache,
-            # batched over rows x kv heads: [B*Hkv, H/Hkv, D] @ [B*Hkv, D, L]
+            # batched over rows x kv heads: [B*Hkv, H/Hkv, D] @ [B*Hkv, D, width]
             q = qk[:, :H].reshape(B * Hkv, H // Hkv, D)
-            keys, values = k_cache.view(B * Hkv, -1, D)[:, :L], v_cache.view(B * Hkv, -1, D)[:, :L]
+            keys, values = k_cache.view(B * Hkv, -1, D)[:, :width], v_cache.view(B * Hkv, -1, D)[:, :width]
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
             probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(q.dtype)
             out = torch.bmm(probs, values).view(B, H * D)
             x = self._mlp(w, x + F.linear(out, w.o_w, w.o_b))
-        self.length = L
-        self.next_position = pos + 1
         return self._logits(x)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the decode rows `keep` (ascending indices into the current rows; grpo_dist.compaction): they
+        move to the front of the preallocated cache, whose first len(keep) rows become the decode batch (no new
+        allocation; the buffers keep their addresses, as CUDA graphs need)."""
+        n, L = len(keep), self.length
+        for k_buf, v_buf in self._buffers:
+            k_buf[:n, :, :L] = k_buf[keep, :, :L]
+            v_buf[:n, :, :L] = v_buf[keep, :, :L]
+        self.cache = [(k[:n], v[:n]) for k, v in self._buffers]
+        self._key_bias_rows[:n] = self._key_bias_rows[keep]
+        self.key_bias = self._key_bias_rows[:n].flatten(0, 1)
+        self._positions[:n] = self.next_position[keep]
+        self.next_position = self._positions[:n]
+
+
+class CUDAGraphSteps:
+    """LeanDecoder's decode steps replayed from CUDA graphs: a decode step is ~30 small kernels per layer, and at
+    small models the host cannot launch them as fast as the GPU runs them. One graph of static_step per decode
+    batch size (compaction's buckets, grpo_dist.compaction) and attention width (LeanDecoder.attention_width),
+    captured the first time that pair decodes after a prefill (a rollout meets about rows / 8 + length / 64 of
+    them), on the decoder's own buffers (compaction moves rows inside them, so their addresses hold); the inputs go
+    through static buffers. A new prefill allocates new caches: the graphs are dropped and captured again. The
+    graphs run the eager step's arithmetic, so lean_cuda_graphs does not change what is sampled.
+    capture=False: static_step runs eagerly on the same buffers (no CUDA needed)."""
+
+    def __init__(self, decoder: LeanDecoder, capture: bool = True):
+        self.decoder, self.capture = decoder, capture
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.pool: Any = None
+
+    def reset(self) -> None:
+        d = self.decoder
+        self.graphs = {}
+        self.tokens = torch.zeros(len(d._positions), dtype=torch.long, device=d._positions.device)
+        self.col = torch.zeros(1, dtype=torch.long, device=d._positions.device)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        d, B = self.decoder, tokens.shape[0]
+        width = d.attention_width(d.length + 1)
+        self.tokens[:B].copy_(tokens)
+        self.col.fill_(d.length)
+        if not self.capture:
+            logits = d.static_step(self.tokens[:B], d.next_position, self.col, width)
+        else:
+            if (B, width) not in self.graphs:
+                self.graphs[B, width] = self._capture(B, width)
+            graph, logits = self.graphs[B, width]
+            graph.replay()
+        d.length += 1
+        d.next_position.add_(1)
+        return logits.clone()  # the graph's output buffer is overwritten by the next replay
+
+    def _capture(self, B: int, width: int):
+        d = self.decoder
+        args = (self.tokens[:B], d.next_position, self.col, width)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (it writes the same cache column the replay will)
+            d.static_step(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket: they never run at once
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = d.static_step(*args)
+        return graph, logits

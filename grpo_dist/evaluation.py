@@ -89,7 +89,8 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
     if isinstance(model, RolloutEngine):
         return model
     model.eval()  # no dropout while generating
-    return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size)
+    return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size,
+                                cfg.decode_compaction_threshold, cfg.lean_cuda_graphs)
 
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,

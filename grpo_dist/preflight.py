@@ -46,6 +46,7 @@ def run(cfg, ctx):
             check_model_source("model.tokenizer", cfg.model.tokenizer)
             check_context_length(cfg)
             check_dtype_device(cfg, ctx.device)
+            check_cuda_graphs(cfg, ctx.device)
             for key in ("path", "eval_path"):
                 check_data_file(f"data.{key}", getattr(cfg.data, key))
         except (ConfigError, OutputDirInUse) as e:
@@ -57,6 +58,13 @@ def run(cfg, ctx):
     if error:
         raise AgreedError(error)
     return lock
+
+
+def check_cuda_graphs(cfg, device) -> None:
+    """CUDA graphs capture CUDA kernels: on any other device lean_cuda_graphs cannot do anything."""
+    if cfg.lean_cuda_graphs and getattr(device, "type", str(device)) != "cuda":
+        raise ConfigError(f"config key 'lean_cuda_graphs' = true needs a CUDA device, and this run's device is "
+                          f"{device}; set lean_cuda_graphs=false")
 
 
 def check_output_dir(output_dir: str) -> None:

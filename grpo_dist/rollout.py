@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_dist.compaction import keep_rows, should_compact
 from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
 from grpo_dist.decoder import LeanDecoder, lean_decoder_unsupported
 from grpo_dist.sampling_noise import row_noise
@@ -33,6 +34,8 @@ class RolloutBatch:
     # [N, C] fp32: the rollout engine's own log-prob of each completion token (rollout_engines.py says which), for
     # the sampler/trainer mismatch metrics and the importance-sampling correction; None: not recorded
     sampler_logprobs: torch.Tensor | None = None
+    # rows the decoder computed, summed over its steps (tokens/processed_decode); None: not counted (vLLM)
+    decode_row_steps: int | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -183,12 +186,18 @@ class HFDecoder:
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
 
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the decode rows `keep` (grpo_dist.compaction): the transformers cache, mask and positions."""
+        self.cache.batch_select_indices(keep)
+        self.full_mask, self.next_pos = self.full_mask[keep], self.next_pos[keep]
 
-def make_decoder(model, total_length: int, lean: bool = True):
+
+def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False):
     """LeanDecoder where it covers the model (bench/generation.py: the transformers forward spends most of a decode
-    step outside the model's arithmetic), else the transformers forward."""
+    step outside the model's arithmetic), else the transformers forward. cuda_graphs: LeanDecoder replays its
+    decode steps from CUDA graphs (config lean_cuda_graphs)."""
     if lean and lean_decoder_unsupported(model, total_length) is None:
-        return LeanDecoder(model)
+        return LeanDecoder(model, cuda_graphs)
     return HFDecoder(model)
 
 
@@ -200,22 +209,28 @@ def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  min_new_tokens: int, do_sample: bool, eos_ids: torch.Tensor, pad: int,
-                 logprobs_out: list | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+                 logprobs_out: list | None = None, noise: torch.Tensor | None = None,
+                 compaction_threshold: float | None = None, stats: dict | None = None) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
     prompt i (None: one each). Returns [rows, <= max_new_tokens]. Greedy decoding gives generate's tokens; sampling
     draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
     receives per step the fp32 log-prob of each row's token under the distribution it was drawn from (temperature,
-    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax). noise: [rows,
-    max_new_tokens] uniforms (grpo_dist.sampling_noise.row_noise), row i's token t drawn with noise[i, t]; None: the
-    process RNG (then a row's draws depend on the other rows of the batch)."""
+    then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax), 0 for rows that
+    left the decode batch. noise: [rows, max_new_tokens] uniforms (grpo_dist.sampling_noise.row_noise), row i's
+    token t drawn with noise[i, t]; None: the process RNG (then a row's draws depend on the other rows of the batch).
+    compaction_threshold: finished rows leave the decode batch once they are this fraction of it
+    (grpo_dist.compaction; None: never). stats, when given, gets "decode_row_steps" added: the rows computed, summed
+    over the sampling steps (the prefill's last position included)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
     # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
     check_every = 1 if logits.device.type == "cpu" else 8
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    rows: torch.Tensor | None = None  # after a compaction: the output row of each decode-batch row
+    row_steps = 0
     for t in range(max_new_tokens):
         scores = logits.float()
         if t < min_new_tokens:
@@ -228,14 +243,34 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
         else:
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
-        if logprobs_out is not None:
-            logprobs_out.append(_token_logprobs(scores, nxt))
-        tokens[:, t] = nxt
+        row_steps += len(nxt)
+        if rows is None:
+            tokens[:, t] = nxt
+            if logprobs_out is not None:
+                logprobs_out.append(_token_logprobs(scores, nxt))
+        else:
+            tokens[rows, t] = nxt
+            if logprobs_out is not None:
+                logprobs_out.append(torch.zeros(B, dtype=scores.dtype, device=scores.device).index_copy_(
+                    0, rows, _token_logprobs(scores, nxt)))
         done |= torch.isin(nxt, eos_ids)
-        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
-            return tokens[:, :t + 1]
+        if t == max_new_tokens - 1:
+            break
+        if (t + 1) % check_every == 0:
+            finished = int(done.sum())
+            if finished == len(done):
+                break
+            size = should_compact(finished, len(done), compaction_threshold)
+            if size is not None:
+                keep = keep_rows(done, size)
+                decoder.compact(keep)
+                rows = keep if rows is None else rows[keep]
+                done, nxt = done[keep], nxt[keep]
+                noise = None if noise is None else noise[keep]
         logits = decoder.step(nxt)
-    return tokens
+    if stats is not None:
+        stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + row_steps
+    return tokens[:, :t + 1]
 
 
 @torch.no_grad()

@@ -58,6 +58,8 @@ class Generations:
     max_tokens tokens; logprobs[i] has one entry per token of completion_ids[i]."""
     completion_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    # rows computed summed over the decode steps (lean / hf: grpo_dist.compaction); None: not counted (vLLM)
+    decode_row_steps: int | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -96,8 +98,11 @@ class ReplicaRolloutEngine(RolloutEngine):
 
     model: torch.nn.Module
 
-    def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None,
+                 compaction_threshold: float | None = None, cuda_graphs: bool = False):
         self.model, self.lean, self.pad_id, self.batch_size = model, lean, pad_id, batch_size
+        self.compaction_threshold = compaction_threshold  # decode_compaction_threshold
+        self.cuda_graphs = cuda_graphs  # lean_cuda_graphs
         self.name = "lean" if lean else "hf"
 
     def sync_weights(self, weights) -> None:
@@ -110,9 +115,10 @@ class ReplicaRolloutEngine(RolloutEngine):
         ids, mask = left_pad(prompt_ids, self.pad_id, device)
         n, rows = sampling.n, len(prompt_ids) * sampling.n
         eos = torch.as_tensor(list(sampling.eos_ids), device=device)
-        decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean)
+        decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean, self.cuda_graphs)
         chunk = self.batch_size or rows
         out = Generations()
+        stats = {"decode_row_steps": 0}
         for s in range(0, rows, chunk):
             # the unique prompts of rows s..s+chunk and how many of those rows continue each of them
             uniq, repeats = torch.unique_consecutive(torch.arange(s, min(s + chunk, rows), device=device) // n,
@@ -123,12 +129,14 @@ class ReplicaRolloutEngine(RolloutEngine):
             tokens = _sample_loop(decoder, ids[uniq], mask[uniq], repeats, max_new_tokens=sampling.max_tokens,
                                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                   min_new_tokens=sampling.min_tokens, do_sample=not sampling.greedy, eos_ids=eos,
-                                  pad=self.pad_id, logprobs_out=steps, noise=noise)
+                                  pad=self.pad_id, logprobs_out=steps, noise=noise,
+                                  compaction_threshold=self.compaction_threshold, stats=stats)
             logprobs = torch.stack(steps, 1)
             for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
                 row_ids, row_lp = trim_at_eos(row_ids, row_lp, sampling.eos_ids)
                 out.completion_ids.append(row_ids)
                 out.logprobs.append(row_lp)
+        out.decode_row_steps = stats["decode_row_steps"]
         return out
 
 
@@ -323,7 +331,9 @@ def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | Ren
         logprobs[i, :len(c)] = torch.as_tensor(lp, dtype=torch.float32)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     refs = [r for r in references for _ in range(n)]
-    return RolloutBatch(ids, mask, completion_ids, completion_mask, n, texts, refs, logprobs).to(device)
+    batch = RolloutBatch(ids, mask, completion_ids, completion_mask, n, texts, refs, logprobs).to(device)
+    batch.decode_row_steps = gens.decode_row_steps
+    return batch
 
 
 def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
@@ -333,7 +343,8 @@ def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
     if cfg.rollout_engine != "vllm":
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
-                                    cfg.generation_batch_size)
+                                    cfg.generation_batch_size, cfg.decode_compaction_threshold,
+                                    cfg.lean_cuda_graphs)
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
                              vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied)
 

@@ -142,6 +142,7 @@ class GRPOTrainer:
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
+        self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
         self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
@@ -362,6 +363,7 @@ class GRPOTrainer:
         sampling), learn (advantage to update, and the step's metrics), then the reward and timing metrics."""
         timer, t0 = Timer(), time.perf_counter()
         watchdog.set_phase("rollout", self.step + 1)
+        self._decode_tokens = [0, 0]
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
@@ -449,9 +451,13 @@ class GRPOTrainer:
         if refresh:
             self.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
-        return generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
-                              self.sampling_spec(row_seeds=self._row_seeds(len(examples))),
-                              cfg.data.max_prompt_length, self.ctx.device)
+        batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
+                               self.sampling_spec(row_seeds=self._row_seeds(len(examples))),
+                               cfg.data.max_prompt_length, self.ctx.device)
+        if batch.decode_row_steps is not None:
+            self._decode_tokens[0] += batch.decode_row_steps
+            self._decode_tokens[1] += int(batch.completion_mask.sum())
+        return batch
 
     def _row_seeds(self, num_prompts: int) -> tuple[int, ...] | None:
         """sampling_noise=per_prompt: each row's noise from (seed, global batch number, place of its prompt in the
@@ -793,6 +799,7 @@ class GRPOTrainer:
             # that ends with EOS exactly at max_completion_length finished
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
+            "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
@@ -822,6 +829,10 @@ class GRPOTrainer:
             "skipped_steps": self.nonfinite_steps,
             "epoch": self.sampler.epoch,
             "_completion_tokens": float(s["completion_tokens"]) / self.ctx.world_size,  # per rank, for tokens/s
+            # decode rows computed vs tokens generated, all ranks and rollout rounds (lean / hf: vLLM batches its
+            # own way); their gap is the padding that decode_compaction_threshold removes
+            **({"tokens/processed_decode": float(s["decode_processed"]),
+                "tokens/useful_decode": float(s["decode_useful"])} if self.cfg.rollout_engine != "vllm" else {}),
         }
 
     def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
