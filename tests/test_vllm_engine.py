@@ -19,7 +19,7 @@ BASE = ["rollout_engine=vllm", "reward_workers=0", "progress_bar=false", "report
         "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "distributed.timeout_s=30"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return fake_vllm.save_tiny_model(tmp_path_factory.mktemp("tiny_vllm") / "model")
 
@@ -255,6 +255,7 @@ def _resume_run(rank, world, model_dir, out, max_steps, resume):
     return start, fake_vllm.LLM.built[-1].sampled
 
 
+@pytest.mark.slow
 def test_resume_with_vllm_is_bitwise_although_vllm_reseeds_the_rng(tmp_path, model_dir):
     """3 steps in one go vs 2 steps + a resume for the third: the third step samples the same tokens and ends in
     the same weights, optimizer state and trainer state (the fake engine reseeds the process RNGs when built, as
@@ -281,10 +282,25 @@ def _tp_evaluation(rank, world, model_dir, tp, n_examples, batch_size):
     ctx = init_distributed(30)
     cfg = _cfg(model_dir, [f"vllm.tensor_parallel_size={tp}"])
     engine = build_rollout_engine(cfg, ctx, None, load_tokenizer(cfg.model), rows=batch_size)
+    examples = load_examples(cfg.data, "eval")[:n_examples]
     try:
-        return _evaluation(engine, cfg, load_examples(cfg.data, "eval")[:n_examples], ctx, 2, batch_size)
+        out = _evaluation(engine, cfg, examples, ctx, 2, batch_size)
+        out["trainer_accuracy"] = _trainer_accuracy(engine, cfg, examples, ctx, batch_size)
+        return out
     finally:
         engine.close()
+
+
+def _trainer_accuracy(engine, cfg, examples, ctx, batch_size):
+    """evaluation.evaluate_accuracy, what the trainer's eval_steps run."""
+    from grpo_dist.evaluation import evaluate_accuracy
+    from grpo_dist.models import load_tokenizer
+    from grpo_dist.rewards import RewardComputer
+    rewards = RewardComputer(cfg.rewards, num_workers=0)
+    try:
+        return evaluate_accuracy(engine, load_tokenizer(cfg.model), examples, cfg, ctx, rewards, batch_size)
+    finally:
+        rewards.close()
 
 
 @pytest.mark.slow
@@ -298,9 +314,12 @@ def test_tensor_parallel_evaluation_on_uneven_shards_agrees_and_matches_one_proc
     from grpo_dist.data import load_examples
     from grpo_dist.distributed import DistContext
     cfg = _cfg(model_dir)
-    one = _evaluation(_engine(cfg, synced=False), cfg, load_examples(cfg.data, "eval")[:n_examples],
-                      DistContext(0, 1, 0, torch.device("cpu"), "gloo"), 2, batch_size)
+    examples, ctx = load_examples(cfg.data, "eval")[:n_examples], DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    engine = _engine(cfg, synced=False)
+    one = _evaluation(engine, cfg, examples, ctx, 2, batch_size)
+    assert 0 < one["accuracy"] < 1  # the fake's greedy lengths give both outcomes on these 3 problems
+    assert _trainer_accuracy(engine, cfg, examples, ctx, batch_size) == one["accuracy"]
     for r in results:
-        assert r["num_examples"] == n_examples
+        assert r["num_examples"] == n_examples and r["trainer_accuracy"] == one["accuracy"]
         assert r["accuracy"] == one["accuracy"] and r["truncated_fraction"] == one["truncated_fraction"]
         assert r == results[0]
