@@ -179,15 +179,21 @@ class LoraConfig:
 
 @dataclass
 class VLLMConfig:
-    gpu_memory_utilization: float = _f(0.3, "GPU: fraction of the GPU memory vLLM may take (weights + KV cache); "
-                                       "the rest stays with training")
-    kv_cache_gb: Optional[float] = _f(None, "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, "
-                                      "default 1; GPU: instead of gpu_memory_utilization's share)")
+    gpu_memory_utilization: Optional[float] = _f(None, "GPU: fraction of the GPU memory vLLM may take (weights + KV "
+                                                 "cache + activations); None: sized from the model and the rows "
+                                                 "(grpo_dist/vllm_plan.py, printed at start)")
+    kv_cache_gb: Optional[float] = _f(None, "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, rounded up to whole "
+                                      "GiB); None: every row of a step at max_model_len (vllm_plan.py), or what "
+                                      "vLLM profiles inside a gpu_memory_utilization you set")
     max_model_len: Optional[int] = _f(None, "longest prompt + completion (None: data.max_prompt_length + "
                                       "max_completion_length)")
+    max_num_seqs: Optional[int] = _f(None, "sequences vLLM runs at once (None: the rows one engine generates per "
+                                     "step, prompts_per_rank x num_generations x tensor_parallel_size)")
+    max_num_batched_tokens: Optional[int] = _f(None, "tokens per vLLM forward (None: 4096 as TRL, or max_num_seqs "
+                                               "if larger; vLLM's larger default misleads its memory profiler)")
     tensor_parallel_size: int = _f(1, "ranks that share one vLLM engine (consecutive ranks; divides the world)")
-    enable_sleep_mode: bool = _f(False, "GPU: free the KV cache and weights between rollouts (sleep level 2), "
-                                 "wake them for the weight sync")
+    enable_sleep_mode: bool = _f(False, "GPU: free the KV cache and weights before each update (sleep level 2); "
+                                 "the next weight sync wakes and reloads them")
     enforce_eager: Optional[bool] = _f(None, "no CUDA graphs (None: true on CPU, false on GPU)")
 
 
@@ -485,8 +491,15 @@ class GRPOConfig:
         if self.sampler_correction_cap < 1.0:
             bad.append("config key 'sampler_correction_cap' must be >= 1")
         v = self.vllm
-        if not 0 < v.gpu_memory_utilization <= 1:
-            bad.append("config key 'vllm.gpu_memory_utilization' must be in (0, 1]")
+        if v.gpu_memory_utilization is not None and not 0 < v.gpu_memory_utilization <= 1:
+            bad.append("config key 'vllm.gpu_memory_utilization' must be in (0, 1] or null (sized)")
+        for k in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(v, k) is not None and getattr(v, k) < 1:
+                bad.append(f"config key 'vllm.{k}' must be >= 1 or null (sized), got {getattr(v, k)}")
+        if v.max_num_seqs is not None and v.max_num_batched_tokens is not None and \
+                1 <= v.max_num_batched_tokens < v.max_num_seqs:
+            bad.append(f"config key 'vllm.max_num_batched_tokens' = {v.max_num_batched_tokens} is below "
+                       f"vllm.max_num_seqs = {v.max_num_seqs} (vLLM needs one token per sequence at least)")
         if v.kv_cache_gb is not None and v.kv_cache_gb <= 0:
             bad.append("config key 'vllm.kv_cache_gb' must be > 0 or null")
         if v.tensor_parallel_size < 1 or (v.max_model_len is not None and v.max_model_len < 2):

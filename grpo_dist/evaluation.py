@@ -105,9 +105,15 @@ def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, 
     sampling = SamplingSpec(n=num_samples, max_tokens=cfg.max_completion_length,
                             eos_ids=tuple(eos_token_ids(engine.model, tokenizer)),
                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=not do_sample)
-    counts = []
-    for s in range(0, len(examples), batch_size):
-        chunk = examples[s:s + batch_size]
+    counts: list[int] = []
+    starts = range(0, len(examples), batch_size)
+    # The ranks of a vLLM tensor-parallel group generate together (each call is collective in the group): they
+    # agree on the number of calls first, and a rank whose share ran out (or had none) makes empty ones.
+    for i in range(engine.generate_calls(len(starts))):
+        if i >= len(starts):
+            engine.generate([], sampling)
+            continue
+        chunk = examples[starts[i]:starts[i] + batch_size]
         prompts = [render_prompt(e, cfg.data, tokenizer) for e in chunk]
         if do_sample and cfg.sampling_noise == "per_prompt":
             sampling = dataclasses.replace(sampling, row_seeds=tuple(row_seeds(
@@ -142,7 +148,7 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
     mine = examples[ctx.rank::ctx.world_size]
     bar = ProgressLines(len(mine), f"{label} (rank 0's share)", say) if say is not None and ctx.is_main else None
     counts = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar,
-                             sample_out=sample_out) if mine else []
+                             sample_out=sample_out)  # also with no examples: its group's calls (vLLM TP)
     total = gdist.all_reduce_sum([float(sum(counts)), float(len(mine))], ctx.device)
     if isinstance(model, torch.nn.Module):
         model.train(was_training)
@@ -173,7 +179,7 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
             bar.reset(total=len(mine))
             bar.set_description(f"{num_samples} samples (rank 0)")
         sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
-                                  max(1, batch_size // num_samples), bar, step=step) if mine else []
+                                  max(1, batch_size // num_samples), bar, step=step)
         sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
     if records is not None:
         records += mine_records

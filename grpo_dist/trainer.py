@@ -141,8 +141,15 @@ class GRPOTrainer:
         self._stop_requested = False
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
-        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights)
+        # vLLM's engine reseeds the process RNGs when it is built: a resumed run goes on with the checkpoint's
+        # streams (bitwise what the uninterrupted run drew), not with the seed's again
+        rng = ckpt.rng_state() if self.resumed_from is not None else None
+        # every generate follows a weight sync here: vLLM starts from dummy weights (no checkpoint read per rank)
+        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights,
+                                                   num_params=num_params, synced=True)
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
+        if rng is not None:
+            ckpt.set_rng_state(rng)
         self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
@@ -244,9 +251,11 @@ class GRPOTrainer:
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.resumed_from = Path(path)
         if not state["rng_restored"]:
-            # Per-rank RNG streams do not map onto another world size: fresh streams, distinct per step and rank
-            # (the prompt order, weights and optimizer state still continue exactly).
-            self._seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.step, self.ctx.rank])
+            # Per-rank RNG streams do not map onto another world size: fresh streams, distinct per step and engine
+            # (the prompt order, weights and optimizer state still continue exactly). The ranks of a vLLM
+            # tensor-parallel group sample together and must share one stream, as vLLM's own seed does.
+            tp = self.cfg.vllm.tensor_parallel_size if self.cfg.rollout_engine == "vllm" else 1
+            self._seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.step, self.ctx.rank // tp])
                                       .generate_state(1)[0]))
         if self.ctx.is_main:
             note = "" if state["rng_restored"] else (f" (written by {state['world_size']} ranks, now "
@@ -371,6 +380,8 @@ class GRPOTrainer:
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         self._reward_peaks = nonfinite.reward_peaks(per_function, self.rewards.names, self.rewards.weights)
+        # the rollout engine's memory goes to the update (vLLM sleep mode); the next weight sync takes it back
+        self.rollout_engine.release()
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         self._reward_peaks = []
@@ -886,6 +897,7 @@ class GRPOTrainer:
         acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
                                 sample_out=sample if self.ctx.is_main else None, say=self.logger.write,
                                 label=f"eval at step {self.step}")
+        self.rollout_engine.release()  # as after a rollout: the memory is training's until the next sync
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
         self.logger.write(f"[grpo_dist] eval at step {self.step}: eval_accuracy {acc:.4f} on {len(examples)} "

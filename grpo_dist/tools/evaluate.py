@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if ctx.is_main:
             print(f"grpo_dist.tools.evaluate: loading model {model_dir} ...", file=sys.stderr, flush=True)
-        model = _rollout_model(cfg, ctx, tokenizer, adapter)
+        model = _rollout_model(cfg, ctx, tokenizer, adapter, args.batch_size)
         if ctx.is_main:
             print(f"grpo_dist.tools.evaluate: loading model {model_dir} ... done in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
@@ -219,7 +219,7 @@ def _check_base(cfg, adapter: Path, from_run: bool) -> None:
                           f"without merged/ (train with lora.save_merged=true, or use rollout_engine=lean)")
 
 
-def _rollout_model(cfg, ctx, tokenizer, adapter: Path | None = None):
+def _rollout_model(cfg, ctx, tokenizer, adapter: Path | None = None, batch_size: int = 64):
     """rollout_engine=vllm: a vLLM engine on the model directory (no transformers copy is loaded); lean / hf: the
     model (a LoRA adapter merged into it: W + (alpha / r) B A), with q|k|v and gate|up fused for the lean decoder
     (generation only, never saved)."""
@@ -228,7 +228,7 @@ def _rollout_model(cfg, ctx, tokenizer, adapter: Path | None = None):
     if cfg.rollout_engine == "vllm":
         from grpo_dist.rollout_engines import build_rollout_engine, require_vllm
         require_vllm()
-        return build_rollout_engine(cfg, ctx, None, tokenizer)
+        return build_rollout_engine(cfg, ctx, None, tokenizer, rows=batch_size)  # weights from the directory
     from grpo_dist.models import cast_parameters_
     model = load_model(cfg.model, tokenizer)
     if adapter is not None:  # merged in the model's own dtype, before any cast to the generation dtype
