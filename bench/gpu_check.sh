@@ -63,10 +63,12 @@ T0=$(date +%s)
 FAILED=0
 FINISHED=0
 
+figures() { "$PY" "$REPO/bench/gpu_check.py" summary "$RES/results.jsonl" >"$RES/figures.txt" 2>&1; }
+
 finish() { # the summary and the archive, also when killed (a timeout around this script); the work folder
   [ "$FINISHED" = 1 ] && return
   FINISHED=1
-  "$PY" "$REPO/bench/gpu_check.py" summary "$RES/results.jsonl" >"$RES/figures.txt" 2>&1
+  [ -f "$RES/figures.txt" ] || figures
   { cat "$RES/summary.txt"; echo; echo "=== CHECK lines"; cat "$RES/checks.txt" 2>/dev/null; echo
     echo "=== figures"; cat "$RES/figures.txt"
     echo; echo "interpreter $PY, smoke=$SMOKE, $(($(date +%s) - T0)) s, $FAILED failed or skipped"; } >"$OUTDIR/summary.txt"
@@ -125,12 +127,13 @@ stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
 
-finish
+figures
 echo
 echo "=== figures"
 cat "$RES/figures.txt"
 echo
 echo "=== summary ($(($(date +%s) - T0)) s, smoke=$SMOKE, interpreter $PY)"
 cat "$RES/summary.txt"
+finish  # removes the work folder when every stage passed
 echo "summary: $OUTDIR/summary.txt, logs and results.jsonl: $OUTDIR/gpu_check.tgz"
 exit "$FAILED"
