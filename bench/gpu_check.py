@@ -335,9 +335,9 @@ def cmd_decode(a) -> None:
             print(f"CHECK decode {name} {B} rows: {ms:.2f} ms/step; floor {floor:.3g} ms (weights "
                   f"{weight_bytes / GIB:.3g} GiB at {a.gb_per_s:g} GB/s), {floor_kv:.3g} ms with the KV cache; "
                   f"{ms / floor:.1f}x the floor, {B / ms * 1e3:.0f} tokens/s", flush=True)
-            result(stage="decode", shape=name, rows=B, ms_per_step=round(ms, 3), floor_ms=round(floor, 4),
-                   floor_with_kv_ms=round(floor_kv, 4), x_floor=round(ms / floor, 1),
-                   tokens_per_s=round(B / ms * 1e3, 1), weight_gib=round(weight_bytes / GIB, 2),
+            result(stage="decode", shape=name, rows=B, ms_per_step=round(ms, 3), floor_ms=float(f"{floor:.4g}"),
+                   floor_with_kv_ms=float(f"{floor_kv:.4g}"), x_floor=round(ms / floor, 1),
+                   tokens_per_s=round(B / ms * 1e3, 1), weight_bytes=weight_bytes, gb_per_s=a.gb_per_s,
                    dtype=str(dtype).replace("torch.", ""), peak_gib=peak_gib())
             del dec
         del model
