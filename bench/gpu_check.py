@@ -3,7 +3,9 @@
     python bench/gpu_check.py build --root DIR
     torchrun --standalone --nproc_per_node 1 bench/gpu_check.py train --model DIR --out DIR --format sharded
     python bench/gpu_check.py evaluate --model CHECKPOINT --out DIR
-    python bench/gpu_check.py summary RESULTS.jsonl
+    python bench/gpu_check.py meta --model DIR --out DIR      # the trainer as rank 1 of a pretend 2-rank world
+    python bench/gpu_check.py decode                          # lean decoder ms/step at 0.5B and 7B shapes
+    python bench/gpu_check.py summary RESULTS.jsonl           # or the folder / gpu_check.tgz that holds it
 
 Models are random-init Qwen2 shapes built from configs (nothing is downloaded): Qwen2.5-0.5B (24 layers, hidden 896,
 vocab 151,936, tied embeddings) and a 4-layer slice of it (tied and untied). GPU_CHECK_SMOKE=1 shrinks every shape
@@ -249,6 +251,101 @@ def cmd_evaluate(a) -> None:
         raise SystemExit(code)
 
 
+# ------------------------------------------------------------------------------------------------------ meta
+def cmd_meta(a) -> None:
+    """The real trainer as rank 1 of a 2-rank world, in one process: pretrained weights on several ranks make every
+    rank but 0 build the model on the meta device and get storage (and, on CUDA, rank 0's values) while FSDP wraps
+    (param_init_fn + sync_module_states). One process cannot receive rank 0's values, so the weights stay
+    uninitialised (the loss may be nan); the check is that nothing is left off the device and a step runs."""
+    from grpo_dist import distributed as gdist
+    from grpo_dist.models import misplaced_tensors
+    real = gdist.init_distributed(600)
+    ctx = gdist.DistContext(rank=1, world_size=2, local_rank=real.local_rank, device=real.device,
+                            backend=real.backend)
+    cfg = make_config(a.model, Path(a.out) / "meta", max_steps=1)
+    tr = new_trainer(cfg, ctx)
+    models = {"gen_model": tr.gen_model, "policy": tr.engine.module, "reference": tr.ref_model}
+    bad = {k: misplaced_tensors(m, ctx.device) for k, m in models.items() if isinstance(m, torch.nn.Module)}
+    n_bad = sum(map(len, bad.values()))
+    print(f"CHECK meta rank 1 of 2 on {ctx.device}: {n_bad} tensors off the device"
+          + "".join(f"; {k}: {v[:3]}" for k, v in bad.items() if v), flush=True)
+    m = tr.train_step()
+    print(f"CHECK meta step ok: loss {m['loss']}, rollout {m['time_rollout_s']:.2f}s", flush=True)
+    result(stage="meta", device=str(ctx.device), misplaced=n_bad, examples=[x for v in bad.values() for x in v][:8],
+           loss=m["loss"], step_time_s=round(m["step_time_s"], 3), peak_gib=peak_gib())
+    close(tr)
+    gdist.cleanup()
+    if n_bad:
+        raise SystemExit(1)
+
+
+# ------------------------------------------------------------------------------------------------------ decode
+# (name, overrides of QWEN05, row counts). 7B: Qwen2.5-7B's shape (28 layers, hidden 3584, 4 kv heads).
+DECODE_SHAPES = [("0.5b", {}, (64, 256)),
+                 ("7b", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                             intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False), (32, 128))]
+DECODE_LENGTHS = dict(prompt=200, new=260, warmup=50, timed=200)
+if SMOKE:  # the same code on a CPU: shapes a few MB big
+    DECODE_SHAPES = [("0.5b", {}, (2, 4)),
+                     ("7b", dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                                 intermediate_size=160, tie_word_embeddings=False), (2,))]
+    DECODE_LENGTHS = dict(prompt=12, new=12, warmup=2, timed=6)
+
+
+def decode_floor_ms(weight_bytes: int, kv_bytes: float, gb_per_s: float) -> tuple[float, float]:
+    """The bandwidth floor of one decode step: every weight is read once per step (and, second figure, the KV cache
+    up to the current position as well) at the device's memory bandwidth."""
+    return weight_bytes / (gb_per_s * 1e9) * 1e3, (weight_bytes + kv_bytes) / (gb_per_s * 1e9) * 1e3
+
+
+def cmd_decode(a) -> None:
+    """ms per decode step of the lean decoder (decoder.LeanDecoder: prefill, then step per token) on random bf16
+    weights, against the weight-bandwidth floor (a decode step reads every weight once). A step far above the floor
+    at small row counts is launch-bound (host time per kernel), not bandwidth-bound."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo_dist.decoder import LeanDecoder, prepare_replica
+    dev = torch.device("cuda" if CUDA else "cpu")
+    dtype = torch.bfloat16 if CUDA else torch.float32  # bf16 matmuls on a CPU are slow and say nothing
+    L = DECODE_LENGTHS
+    for name, over, rows in DECODE_SHAPES:
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**{**QWEN05, **over}), dtype=dtype).eval()
+        prepare_replica(model)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        cfg = model.config
+        for B in rows:
+            dec = LeanDecoder(model)
+            x = torch.randint(9, min(500, cfg.vocab_size), (B, L["prompt"]), device=dev)
+            with torch.inference_mode():
+                dec.prefill(x, torch.ones_like(x), None, L["new"])
+                y = x[:, 0]
+                for i in range(L["warmup"] + L["timed"]):
+                    if i == L["warmup"]:
+                        sync()
+                        t0 = time.perf_counter()
+                    dec.step(y)
+                sync()
+            ms = (time.perf_counter() - t0) / L["timed"] * 1e3
+            # K and V of every layer up to the mean position of the timed steps
+            mean_pos = L["prompt"] + L["warmup"] + L["timed"] / 2
+            kv_bytes = (2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * mean_pos
+                        * (cfg.hidden_size // cfg.num_attention_heads) * torch.finfo(dtype).bits / 8)
+            floor, floor_kv = decode_floor_ms(weight_bytes, kv_bytes, a.gb_per_s)
+            print(f"CHECK decode {name} {B} rows: {ms:.2f} ms/step; floor {floor:.3g} ms (weights "
+                  f"{weight_bytes / GIB:.3g} GiB at {a.gb_per_s:g} GB/s), {floor_kv:.3g} ms with the KV cache; "
+                  f"{ms / floor:.1f}x the floor, {B / ms * 1e3:.0f} tokens/s", flush=True)
+            result(stage="decode", shape=name, rows=B, ms_per_step=round(ms, 3), floor_ms=float(f"{floor:.4g}"),
+                   floor_with_kv_ms=float(f"{floor_kv:.4g}"), x_floor=round(ms / floor, 1),
+                   tokens_per_s=round(B / ms * 1e3, 1), weight_bytes=weight_bytes, gb_per_s=a.gb_per_s,
+                   dtype=str(dtype).replace("torch.", ""), peak_gib=peak_gib())
+            del dec
+        del model
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------------------ summary
 PICK = {"start": ("cmd", "torch", "gpu"),
         "build": ("kind", "params_m", "tied", "seconds"),
@@ -257,11 +354,33 @@ PICK = {"start": ("cmd", "torch", "gpu"),
                  "train_tokens_per_s", "peak_gib"),
         "phase": ("run", "phase", "calls", "median_s", "peak_gib"),
         "resume": ("format", "ok", "last_loss_equal", "max_weight_diff", "error"),
-        "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib")}
+        "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib"),
+        "meta": ("device", "misplaced", "examples", "loss", "step_time_s", "peak_gib"),
+        "decode": ("shape", "rows", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
+                   "peak_gib")}
+ARCHIVE = "gpu_check.tgz"  # what gpu_check.sh leaves in $OUT, with summary.txt
+
+
+def read_results(path: str) -> str:
+    """results.jsonl's text from the file, or from the gpu_check.tgz that holds it: $OUT keeps the archive and the
+    summary only, so `summary $OUT/results.jsonl` (gpu-first-run.md's command) reads it from the archive."""
+    import tarfile
+    p = Path(path)
+    if p.is_file() and not p.name.endswith(".tgz"):
+        return p.read_text()
+    tgz = p if p.name.endswith(".tgz") else (p if p.is_dir() else p.parent) / ARCHIVE
+    if not tgz.is_file():
+        raise SystemExit(f"no {p} and no {tgz}")
+    with tarfile.open(tgz) as tar:
+        member = next((m for m in tar.getmembers() if m.name.endswith("results.jsonl")), None)
+        if member is None:
+            raise SystemExit(f"{tgz} holds no results.jsonl")
+        f = tar.extractfile(member)
+        return f.read().decode() if f else ""
 
 
 def cmd_summary(a) -> None:
-    for line in Path(a.results).read_text().splitlines():
+    for line in read_results(a.results).splitlines():
         r = json.loads(line)
         keys = PICK.get(r.get("stage"), ())
         print(f"{r.get('stage', '?'):9s}", "  ".join(f"{k}={r[k]}" for k in keys if r.get(k) is not None))
@@ -284,13 +403,20 @@ def main(argv=None) -> None:
     e.add_argument("--model", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--limit", type=int, default=16)
+    m = sub.add_parser("meta")
+    m.add_argument("--model", required=True)
+    m.add_argument("--out", required=True)
+    d = sub.add_parser("decode")
+    # H200 HBM3e: 4.8 TB/s (H100 SXM 3.35, A100 80GB 2.0); on a CPU the floor is a nominal figure
+    d.add_argument("--gb-per-s", type=float, default=float(os.environ.get("GPU_CHECK_HBM_GBPS", 4800)))
     s = sub.add_parser("summary")
     s.add_argument("results")
     a = ap.parse_args(argv)
     if a.cmd != "summary":
         result(stage="start", cmd=a.cmd, smoke=SMOKE, torch=torch.__version__,
                gpu=torch.cuda.get_device_name() if CUDA else None)
-    {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "summary": cmd_summary}[a.cmd](a)
+    {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "meta": cmd_meta, "decode": cmd_decode,
+     "summary": cmd_summary}[a.cmd](a)
 
 
 if __name__ == "__main__":

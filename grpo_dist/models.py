@@ -145,9 +145,24 @@ def _named_source(key: str, value: str | None):
 
 def load_on_rank0_only(cfg, world_size: int) -> bool:
     """Whether rank 0 alone reads pretrained weights and the other ranks build on the meta device and receive
-    their shards (host RAM then holds about one model copy per node during loading, not one per rank). Same answer
-    on every rank. Tiny random models are seeded identically on every rank and need none of it."""
-    return (cfg.model.name_or_path is not None and world_size > 1 and cfg.distributed.backend == "fsdp")
+    rank 0's values (host RAM then holds about one model copy per node during loading, not one per rank, and the
+    files are read once). FSDP fills the meta ranks while it wraps; DeepSpeed by a broadcast before
+    deepspeed.initialize (fill_from_rank0). Same answer on every rank. Tiny random models are seeded identically on
+    every rank and need none of it."""
+    return (cfg.model.name_or_path is not None and world_size > 1
+            and cfg.distributed.backend in ("fsdp", "deepspeed"))
+
+
+def fill_from_rank0(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Every rank's parameters and buffers take rank 0's values, in place, on `device` (meta-built ranks get
+    storage there first). Collective: every rank passes the same architecture, so the same tensors in the same
+    order."""
+    import torch.distributed as dist
+    materialize_meta(model, device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in [*model.parameters(), *model.buffers()]:  # tied weights are listed once
+            dist.broadcast(t.data, src=0)
+    return model
 
 
 def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:

@@ -37,7 +37,7 @@ from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
-from grpo_dist.engines import build_engine
+from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
@@ -107,7 +107,9 @@ class GRPOTrainer:
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
-        policy = self._load_model("model", meta)
+        # FSDP shards from the host (engines.shards_from_host): no full fp32 model on a GPU before sharding
+        host = shards_from_host(cfg, ctx.world_size)
+        policy = self._load_model("model", meta, to_device=not host)
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
         # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
         self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
@@ -132,7 +134,7 @@ class GRPOTrainer:
             ref = self._load_model("reference model", meta, to_device=False)
             if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
                 cast_parameters_(ref, compute_dtype)
-            self.ref_model = self.engine.wrap_reference(ref if meta else ref.to(ctx.device))
+            self.ref_model = self.engine.wrap_reference(ref if meta or host else ref.to(ctx.device))
         self.loss_spec = self._loss_spec()
         self.step = 0
         self.consecutive_nonfinite = 0
@@ -173,6 +175,8 @@ class GRPOTrainer:
         replica = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
         if meta:
             materialize_meta(replica, self.ctx.device)
+        else:  # a policy left on the host for FSDP: the replica goes to the device in the compute dtype
+            replica.to(self.ctx.device)
         if load_on_rank0_only(self.cfg, self.ctx.world_size):  # a collective: meta-built ranks take rank 0's buffers
             gdist.broadcast_tensors(list(replica.buffers()))
         replica.requires_grad_(False)

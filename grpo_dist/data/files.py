@@ -241,8 +241,10 @@ def _iter_hf(spec: str) -> Iterator[tuple[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"data path {spec!r} needs the `datasets` package (pip install datasets), or export the "
-                        f"split to a .jsonl file and set data.path to it") from None
+        # a machine without `datasets` (e.g. a bare GPU machine) is often offline too: the mirror is the way out
+        raise DataError(f"data path {spec!r} needs the `datasets` package (pip install datasets); or set "
+                        f"{DATA_DIR_ENV} to a folder mirroring the preset files (gsm8k/, math500/, math_test5000/), "
+                        f"or export the split to a .jsonl file and set data.path to it") from None
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, missing split: all end the run the same way

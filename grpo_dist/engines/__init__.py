@@ -223,11 +223,23 @@ def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
     scheduler._last_lr = lrs
 
 
+def shards_from_host(cfg, world_size: int) -> bool:
+    """Whether build_engine's engine takes the policy (and reference) on the host and places them itself: FSDP
+    moves each unit to device_id as it wraps it and shards it at once, so a GPU never holds more than one unsharded
+    unit. Moving the whole model first would put all of it there in fp32 (45.7 GB at 7B, transient, before any
+    sharding). The local engine (one process, no FSDP) and DeepSpeed take the model on the device."""
+    return cfg.distributed.backend == "fsdp" and not _local_engine(cfg, world_size)
+
+
+def _local_engine(cfg, world_size: int) -> bool:
+    # One process in full precision: FSDP would shard nothing (it switches to NO_SHARD) and only add its per-layer
+    # hooks, ~12% of a reference-benchmark step (bench/README.md).
+    return world_size == 1 and not cfg.distributed.mixed_precision and not cfg.distributed.cpu_offload
+
+
 def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:
     if cfg.distributed.backend == "fsdp":
-        if ctx.world_size == 1 and not cfg.distributed.mixed_precision and not cfg.distributed.cpu_offload:
-            # One process in full precision: FSDP would shard nothing (it switches to NO_SHARD) and only add its
-            # per-layer hooks, ~12% of a reference-benchmark step (bench/README.md).
+        if _local_engine(cfg, ctx.world_size):
             from grpo_dist.engines.local import LocalEngine
             return LocalEngine(cfg, model, ctx)
         from grpo_dist.engines.fsdp import FSDPEngine

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
 from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
-from grpo_dist.models import cast_parameters_, decoder_layer_classes
+from grpo_dist.models import cast_parameters_, decoder_layer_classes, fill_from_rank0, load_on_rank0_only
 
 ENGINE_STATE_DIR = "deepspeed"  # inside checkpoint-<step>/
 _TAG = "state"
@@ -200,6 +200,7 @@ class DeepSpeedEngine(Engine):
         if dist.is_initialized():  # our process group (gloo / nccl) becomes DeepSpeed's
             self.ds_lib.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
+        self._fill(model)
         if cfg.distributed.activation_checkpointing:
             checkpoint_layers(model, decoder_layer_classes(model))
         # torch's default AdamW kernels, as before: the fused ones are untried on DeepSpeed's flat fp32 partitions
@@ -214,9 +215,17 @@ class DeepSpeedEngine(Engine):
         self.scheduler = lr_schedule(cfg, self.base_optimizer)
 
     # ------------------------------------------------------------------------------------------------ wrapping
+    def _fill(self, model: torch.nn.Module) -> None:
+        """Pretrained weights on several ranks: rank 0 read them, the others built on the meta device
+        (models.load_on_rank0_only); they get storage on their device and rank 0's values before DeepSpeed sees
+        the model. Collective."""
+        if load_on_rank0_only(self.cfg, self.ctx.world_size):
+            fill_from_rank0(model, self.ctx.device)
+
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(False)
         model.eval()
+        self._fill(model)
         if self.stage == 2:
             # ZeRO-2 keeps full weights on every rank anyway: the reference is a plain replicated model, its
             # parameters in the compute dtype of the policy and its buffers (RoPE's inv_freq) in fp32 as the

@@ -13,7 +13,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist.engines import clean_name
 from grpo_dist.engines.torch_engine import TorchEngine
-from grpo_dist.models import MIXED_PRECISION_DTYPES, cast_parameters_, load_on_rank0_only, materialize_meta
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, fill_from_rank0, load_on_rank0_only,
+                              materialize_meta)
 
 # Below this many parameters the whole model is one FSDP unit under fsdp_wrap=auto. Unsharded it takes < 400 MB in
 # fp32 (torch's size_based_auto_wrap_policy uses the same 1e8 as its default unit size). Per-layer units there add a
@@ -65,10 +66,7 @@ class FSDPEngine(TorchEngine):
             # Rank 0 read the weights; the other ranks hold a meta model. sync_module_states is refused on CPU:
             # give the meta ranks storage and broadcast rank 0's tensors in place before wrapping (measured lower
             # peak than set_model_state_dict's broadcast after wrapping, which stages full tensors: bench/memory.py)
-            import torch.distributed as dist
-            materialize_meta(model, device)
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+            fill_from_rank0(model, device)
         wrapped = FSDP(
             model,
             sharding_strategy=ShardingStrategy[dcfg.sharding_strategy],
