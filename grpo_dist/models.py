@@ -146,7 +146,7 @@ def load_on_rank0_only(cfg, world_size: int) -> bool:
     """Whether rank 0 alone reads pretrained weights and the other ranks build on the meta device and receive
     their shards (host RAM then holds about one model copy per node during loading, not one per rank). Same answer
     on every rank. Tiny random models are seeded identically on every rank and need none of it."""
-    return (cfg.model.name_or_path is not None and world_size > 1 and cfg.distributed.backend == "fsdp")
+    return (cfg.model.name_or_path is not None and world_size > 1 and cfg.distributed.backend in ("fsdp", "fsdp2"))
 
 
 def materialize_meta(model: torch.nn.Module, device) -> torch.nn.Module:
