@@ -1,10 +1,11 @@
-"""The training-engine contract (grpo_dist.engines.Engine), checked the same way on every engine that runs here:
-local (one process, in this one), FSDP on 2 gloo ranks, FSDP2 on 2 ranks (one unit, and a unit per layer) and on 1, DeepSpeed ZeRO-2 and ZeRO-3 on 2 ranks (skipped without
-deepspeed). Each engine implements every abstract method; its steps move the weights as torch's AdamW does on a
-plain copy of the model, with the same clipped global grad norm (the same loss on every rank: gradients are averaged
-over ranks); current_lr follows warmup then cosine; gather_full_state gives full tensors under the plain HF names;
-iter_full_weights / copy_weights_to give every parameter; and the full state (plus save_engine_state, and the
-sharded format where supported) round-trips bitwise and resumes with the same next step."""
+"""The training-engine contract (grpo_dist.engines.Engine), checked the same way on every engine that runs here: local
+(one process, in this one), FSDP on 2 gloo ranks, FSDP2 on 2 ranks (one unit, and a unit per layer) and on 1,
+DeepSpeed ZeRO-2 and ZeRO-3 on 2 ranks (skipped without deepspeed). Each engine implements every abstract method;
+its steps move the weights as torch's AdamW does on a plain copy of the model, with the same clipped global grad
+norm (the same loss on every rank: gradients are averaged over ranks); current_lr follows warmup then cosine;
+gather_full_state gives full tensors under the plain HF names; iter_full_weights / copy_weights_to give every
+parameter; and the full state (plus save_engine_state, and the sharded format where supported) round-trips bitwise
+and resumes with the same next step."""
 
 import copy
 import math

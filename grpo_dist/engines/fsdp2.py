@@ -17,6 +17,7 @@ rank 0 only) or a DCP directory (save_format=sharded), so a run resumes across f
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,12 @@ class FSDP2Engine(TorchEngine):
         meta = any(p.is_meta for p in model.parameters())
         full = model.state_dict() if load_on_rank0_only(self.cfg, self.ctx.world_size) and self.ctx.is_main \
             else None  # rank 0's values, for the meta-built ranks (references to its tensors: no copy)
-        kwargs = dict(mesh=self._mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[dcfg.sharding_strategy],
-                      mp_policy=mp, offload_policy=offload)
+        shard = functools.partial(fully_shard, mesh=self._mesh, mp_policy=mp, offload_policy=offload,
+                                  reshard_after_forward=RESHARD_AFTER_FORWARD[dcfg.sharding_strategy])
         if wrap_units(model, dcfg.fsdp_wrap) == "layer":
             for unit in self._layer_units(model):
-                fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)  # the root: embeddings, final norm, head (and everything under fsdp_wrap=model)
+                shard(unit)
+        shard(model)  # the root: embeddings, final norm, head (and everything under fsdp_wrap=model)
         if load_on_rank0_only(self.cfg, self.ctx.world_size):
             self._take_rank0_values(model, full, meta)
         return model
@@ -86,7 +87,7 @@ class FSDP2Engine(TorchEngine):
         for b in model.buffers():
             dist.broadcast(b.data, src=0)
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        set_model_state_dict(model, full if self.ctx.is_main else {}, options=opts)
+        set_model_state_dict(model, (full or {}) if self.ctx.is_main else {}, options=opts)
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(False)
@@ -99,19 +100,20 @@ class FSDP2Engine(TorchEngine):
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
+        grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
         # every rank holds the same parameters (its shards of each), so the same list: one all-reduce of the norm
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, None)
+        total = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
         if isinstance(total, DTensor):
             total = total.full_tensor()  # the sum of the shards' squares over ranks
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, None)
         return float(total)
 
     # ---------------------------------------------------------------------------------------------- generation
-    def _units(self) -> list[tuple[str, FSDPModule, list[tuple[str, torch.nn.Parameter]]]]:
+    def _units(self) -> list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
         """(name prefix, unit, its own (name, parameter) pairs) for the root first, then the nested units."""
         names = {id(m): n for n, m in self.module.named_modules()}
         units = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
-        out = []
+        out: list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]] = []
         for unit in units:
             inside = names[id(unit)] + "." if names[id(unit)] else ""
             nested = [names[id(u)][len(inside):] + "." for u in units
@@ -125,7 +127,7 @@ class FSDP2Engine(TorchEngine):
         """The dtype unshard() all-gathers in: the mixed-precision compute dtype, else the stored one (None)."""
         return MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision)
 
-    def _full_tensor(self, p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    def _full_tensor(self, p: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
         """The whole of a sharded parameter, cast before the all-gather (the collective moves dtype's bytes)."""
         local = p.to_local()
         local = local.to(device=self.ctx.device, dtype=dtype or local.dtype)  # from host memory under cpu_offload
@@ -142,6 +144,7 @@ class FSDP2Engine(TorchEngine):
         stored = next(self.module.parameters()).dtype
         for prefix, unit, own in self._units():
             if (self._unshard_dtype() or stored) == (dtype or stored):
+                assert isinstance(unit, FSDPModule)
                 unit.unshard()
                 try:
                     unsharded = dict(unit.named_parameters())  # its own now plain tensors, by the same names
@@ -152,12 +155,13 @@ class FSDP2Engine(TorchEngine):
                     unit.reshard()
             else:  # another dtype than the unit gathers in: parameter by parameter, cast before the all-gather
                 for name, p in own:
+                    assert isinstance(p, DTensor)
                     yield prefix + clean_name(name), self._full_tensor(p, dtype)
 
     @contextlib.contextmanager
     def _full_params(self):
         """Every unit unsharded (in the dtype it gathers in) for the duration."""
-        units = [u for _, u, _ in self._units()]
+        units = [u for _, u, _ in self._units() if isinstance(u, FSDPModule)]
         for u in units:
             u.unshard()
         try:
