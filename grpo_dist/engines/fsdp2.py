@@ -7,8 +7,8 @@ parameters: frozen and trainable parameters share a unit freely (LoRA needs no u
 weights (lm_head = embed_tokens) sit in the root unit as one parameter.
 
 Pretrained weights on several ranks: ranks != 0 build the model on the meta device and shard it there (nothing
-allocated), then get storage for their shards only (to_empty) and rank 0's values by broadcast
-(set_model_state_dict with full_state_dict + broadcast_from_rank0): no rank but 0 ever holds a full copy.
+allocated), then get storage for their shards only (to_empty) and rank 0's values, broadcast one tensor at a time:
+no rank but 0 ever holds a full copy of the model.
 
 Checkpoints are TorchEngine's / FSDP1's files: a gathered full state (plain HF names, FQN-keyed optimizer state,
 rank 0 only) or a DCP directory (save_format=sharded), so a run resumes across fsdp, fsdp2 and the local engine.
@@ -73,11 +73,13 @@ class FSDP2Engine(TorchEngine):
         layers = tuple(self._layer_classes)
         return [wrapper_of.get(id(m), m) for m in model.modules() if isinstance(m, layers)]
 
+    @torch.no_grad()
     def _take_rank0_values(self, model: torch.nn.Module, full: dict | None, meta: bool) -> None:
-        """Collective. Meta-built ranks get storage for their shards and buffers on the device; then every rank
-        takes rank 0's buffers (non-persistent ones such as RoPE's inv_freq are in no state dict) and its
-        parameter values, broadcast one tensor at a time and kept as this rank's shard."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Collective. Meta-built ranks get storage for their shards and buffers; then every rank takes rank 0's
+        buffers (non-persistent ones such as RoPE's inv_freq are in no state dict) and its parameter values: one
+        full tensor at a time is broadcast on the compute device and each rank keeps its chunk as its shard.
+        (Not set_model_state_dict's broadcast_from_rank0: under cpu_offload the shards are in host memory and it
+        would broadcast host tensors, which nccl cannot.)"""
         device = torch.device("cpu") if self.cfg.distributed.cpu_offload else self.ctx.device
         if meta:
             model.to_empty(device=device)
@@ -86,8 +88,21 @@ class FSDP2Engine(TorchEngine):
                     b.data = b.data.to(self.ctx.device)
         for b in model.buffers():
             dist.broadcast(b.data, src=0)
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        set_model_state_dict(model, (full or {}) if self.ctx.is_main else {}, options=opts)
+        rank, world = self.ctx.rank, self.ctx.world_size
+        for name, p in model.named_parameters():  # the same order on every rank; a tied weight once
+            shard = p.to_local() if isinstance(p, DTensor) else p
+            if full is not None:
+                t = full[name].to(device=self.ctx.device, dtype=p.dtype)
+            else:
+                t = torch.empty(p.shape, dtype=p.dtype, device=self.ctx.device)
+            dist.broadcast(t, src=0)
+            if isinstance(p, DTensor):  # fully_shard's Shard(0): torch.chunk's pieces, empty past the last one
+                pieces = torch.chunk(t, world, dim=0)
+                t = pieces[rank] if rank < len(pieces) else t[:0]
+            if t.shape != shard.shape:
+                raise RuntimeError(f"{name}: rank {rank}'s shard is {tuple(shard.shape)}, its chunk of rank 0's "
+                                   f"tensor {tuple(t.shape)}")
+            shard.copy_(t)
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(False)
