@@ -161,9 +161,9 @@ class DistributedConfig:
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON/YAML config (backend=deepspeed)")
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when no deepspeed_config is given", (2, 3))
     cpu_offload: bool = _f(False, "keep parameters and optimizer state in host memory between uses: FSDP "
-                           "CPUOffload(offload_params) (fsdp2: CPUOffloadPolicy) with the optimizer step on the CPU; DeepSpeed ZeRO "
-                           "offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets them. "
-                           "Refused on a CPU-only run, where everything is in host memory already")
+                           "CPUOffload(offload_params) (fsdp2: CPUOffloadPolicy) with the optimizer step on the CPU; "
+                           "DeepSpeed ZeRO offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets "
+                           "them. Refused on a CPU-only run, where everything is in host memory already")
 
 
 @dataclass
