@@ -3,6 +3,7 @@ model on one node, rank 0 reading the weights (others on the meta device) vs eve
 
     python bench/memory.py                 # both parts, launching torchrun itself; ~20M-param model for part 2
     python bench/memory.py --part states --hidden 256 --layers 4 --vocab 32000
+    python bench/memory.py --backend fsdp2     # FSDP2 (fully_shard): local DTensor shards are counted
 
 (1) counts the local shards of the FSDP policy after one real GRPO step: parameters, gradients (kept by running
     the backward of a second step without its optimizer step) and AdamW state (exp_avg, exp_avg_sq, step).
@@ -48,10 +49,11 @@ def worker(args):
     torch.set_num_threads(1)
     ctx = gdist.init_distributed(600, 1)
     import grpo_dist.engines.fsdp as ef
+    import grpo_dist.engines.fsdp2 as ef2
     import grpo_dist.trainer as tr
     if args.all_ranks_read:
-        tr.load_on_rank0_only = ef.load_on_rank0_only = lambda cfg, world: False
-    cfg = _cfg(args.model_dir)
+        tr.load_on_rank0_only = ef.load_on_rank0_only = ef2.load_on_rank0_only = lambda cfg, world: False
+    cfg = _cfg(args.model_dir, [f"distributed.backend={args.backend}"])
     out = {}
     if args.part == "load":
         # import and read everything but the weights first, so the rise is the models alone
@@ -86,7 +88,9 @@ def worker(args):
             pass  # metrics of the skipped step may not parse; the gradients are what we want
         eng.step = step
         params = [p for p in eng.module.parameters()]
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        from torch.distributed.tensor import DTensor
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2: this rank's shard)
+        nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)  # noqa: E731
         out["params_mib"] = nbytes(params) / 2**20
         out["grads_mib"] = nbytes([p.grad for p in params if p.grad is not None]) / 2**20
         out["optimizer_mib"] = nbytes([v for s in eng.optimizer.state.values() for v in s.values()
@@ -118,6 +122,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--backend", default="fsdp", choices=["fsdp", "fsdp2"], help="distributed.backend")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--all-ranks-read", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -137,12 +142,13 @@ def main():
     del model
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-    summary = dict(params=n_params, model_mib=round(n_params * 4 / 2**20, 1))
+    backend = ["--backend", args.backend]
+    summary = dict(backend=args.backend, params=n_params, model_mib=round(n_params * 4 / 2**20, 1))
     print(f"model: {n_params / 1e6:.1f}M params ({n_params * 4 / 2**20:.0f} MiB fp32), hidden {args.hidden}, "
           f"{args.layers} layers, vocab {args.vocab}")
     if args.part in ("states", "both"):
-        one = run(1, ["--part", "states", "--model-dir", work], env)
-        two = run(2, ["--part", "states", "--model-dir", work], env)
+        one = run(1, ["--part", "states", "--model-dir", work] + backend, env)
+        two = run(2, ["--part", "states", "--model-dir", work] + backend, env)
         print(f"{'':10} {'params MiB':>11} {'grads MiB':>10} {'AdamW MiB':>10} {'total MiB':>10}")
         for name, r in [("1 rank", one[0])] + [(f"2 ranks r{i}", r) for i, r in enumerate(two)]:
             print(f"{name:10} {r['params_mib']:11.1f} {r['grads_mib']:10.1f} {r['optimizer_mib']:10.1f} "
@@ -153,7 +159,7 @@ def main():
     if args.part in ("load", "both"):
         rows = {}
         for name, flag in (("rank 0 reads", []), ("all ranks read", ["--all-ranks-read"])):
-            rows[name] = run(2, ["--part", "load", "--model-dir", work] + flag, env)
+            rows[name] = run(2, ["--part", "load", "--model-dir", work] + flag + backend, env)
         print(f"{'2 ranks, one node':18} {'built: r0 / r1 / sum MiB':>26} {'after 1 step: r0 / r1 / sum MiB':>33}")
         for name, r in rows.items():
             b = [x["built_peak_rise_mib"] for x in r]

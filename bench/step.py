@@ -3,6 +3,7 @@
     python bench/step.py --steps 6                                   # 1 rank
     torchrun --nproc_per_node 2 bench/step.py --steps 6              # 2 ranks
     python bench/step.py --model /path/to/hf_model --max-completion-length 128
+    torchrun --nproc_per_node 2 bench/step.py --backend fsdp2        # FSDP2 (fully_shard) instead of FSDP1
 
 Defaults are the issue's reference work: tiny Qwen2 (hidden 128, 4 layers, BPE vocab 1024), num_generations 8,
 4 prompts per rank, 64 new tokens (--exact-length forces exactly that many: EOS is banned until then), beta 0.04,
@@ -46,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--exact-length", action=argparse.BooleanOptionalAction, default=True,
                     help="every completion has exactly max-completion-length tokens (fair comparisons)")
     ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--backend", default="fsdp", choices=["fsdp", "fsdp2", "deepspeed"],
+                    help="distributed.backend (fsdp on one full-precision rank: the local engine)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--micro-batch-size", type=int, default=0, help="0: all completions of a rank at once")
@@ -130,7 +133,7 @@ def main(argv=None):
         f"max_completion_length={args.max_completion_length}", f"beta={args.beta}", f"max_steps={args.steps}",
         f"micro_batch_size={args.micro_batch_size or completions}", "reward_workers=0", "report_to=[]",
         "progress_bar=false", "save_final=false", "save_steps=0", f"output_dir={out_dir}", "learning_rate=1e-5",
-        f"distributed.num_threads={args.threads}",
+        f"distributed.num_threads={args.threads}", f"distributed.backend={args.backend}",
         "rewards=[{function: 'bench_common:digit_reward', weight: 1.0}]" if args.reward == "digits" else
         "rewards=[{function: 'grpo_dist.rewards:math_reward', weight: 1.0}]"]
     overrides.append(f"model.name_or_path={args.model}" if args.model else
@@ -184,7 +187,8 @@ def main(argv=None):
            ("step_s", "sync_s", "rollout_s", "reward_s", "logprobs_s", "update_s", "cpu_s", "tokens")}
     if ctx.is_main:
         result = dict(
-            world_size=world, steps=args.steps, timed_steps=len(timed),
+            world_size=world, backend=args.backend, engine=type(trainer.engine).__name__, steps=args.steps,
+            timed_steps=len(timed),
             step_time_median_s=round(med["step_s"], 4),
             step_cpu_median_s=round(med["cpu_s"], 4),
             sync_median_s=round(med["sync_s"], 4), rollout_median_s=round(med["rollout_s"], 4),

@@ -145,8 +145,11 @@ class DataConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: str = _f("fsdp", "training engine", ("fsdp", "deepspeed"))
-    sharding_strategy: str = _f("FULL_SHARD", "FSDP sharding strategy",
+    backend: str = _f("fsdp", "training engine: fsdp (FSDP1, use_orig_params) | fsdp2 (fully_shard: per-parameter "
+                      "DTensor shards, meta-device init on ranks != 0; docs/design.md says which to pick) | deepspeed",
+                      ("fsdp", "fsdp2", "deepspeed"))
+    sharding_strategy: str = _f("FULL_SHARD", "FSDP sharding strategy (fsdp2: FULL_SHARD = reshard after forward, "
+                                "SHARD_GRAD_OP = keep unsharded until backward)",
                                 ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
     fsdp_wrap: str = _f("auto", "FSDP units: layer (one per decoder layer) | model (the whole model is one unit: one "
                         "all-gather per pass instead of one per layer) | auto (model below 100M parameters, where "
@@ -160,9 +163,9 @@ class DistributedConfig:
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON/YAML config (backend=deepspeed)")
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when no deepspeed_config is given", (2, 3))
     cpu_offload: bool = _f(False, "keep parameters and optimizer state in host memory between uses: FSDP "
-                           "CPUOffload(offload_params) with the optimizer step on the CPU; DeepSpeed ZeRO "
-                           "offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets them. "
-                           "Refused on a CPU-only run, where everything is in host memory already")
+                           "CPUOffload(offload_params) (fsdp2: CPUOffloadPolicy) with the optimizer step on the CPU; "
+                           "DeepSpeed ZeRO offload_optimizer (+ offload_param at stage 3) unless deepspeed_config sets "
+                           "them. Refused on a CPU-only run, where everything is in host memory already")
 
 
 @dataclass
@@ -432,6 +435,10 @@ class GRPOConfig:
             bad += context_problems(self.data.max_prompt_length, self.max_completion_length, positions,
                                     "model.tiny.max_position_embeddings")
         # (a pretrained model's max_position_embeddings is in its config.json: preflight.check_context_length)
+        if self.distributed.backend == "fsdp2" and self.distributed.sharding_strategy not in ("FULL_SHARD",
+                                                                                              "SHARD_GRAD_OP"):
+            bad.append(f"config key 'distributed.sharding_strategy' = {self.distributed.sharding_strategy} is not "
+                       f"available with distributed.backend=fsdp2: use FULL_SHARD or SHARD_GRAD_OP")
         if self.save_format == "sharded" and self.distributed.backend == "deepspeed":
             bad.append("config key 'save_format' = sharded (a DCP directory) is FSDP's; with distributed.backend="
                        "deepspeed use save_format=full: checkpoints carry DeepSpeed's own partitioned state under "

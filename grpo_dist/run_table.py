@@ -24,7 +24,7 @@ def run_numbers(cfg, world_size: int) -> dict:
 
 def training_engine(cfg) -> str:
     d = cfg.distributed
-    sharding = d.sharding_strategy if d.backend == "fsdp" else f"ZeRO-{d.zero_stage}"
+    sharding = d.sharding_strategy if d.backend in ("fsdp", "fsdp2") else f"ZeRO-{d.zero_stage}"
     if d.backend == "deepspeed" and d.deepspeed_config:
         sharding += f" (or as {d.deepspeed_config} says)"
     precision = f"mixed precision {d.mixed_precision}" if d.mixed_precision else "full precision"

@@ -132,7 +132,7 @@ class GRPOTrainer:
             self.ref_model = lora.Reference(self.engine.module)
         elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
             ref = self._load_model("reference model", meta, to_device=False)
-            if cfg.distributed.backend == "fsdp":  # FSDP keeps it in the compute dtype: cast before it reaches the GPU
+            if cfg.distributed.backend in ("fsdp", "fsdp2"):  # kept in the compute dtype: cast before the GPU
                 cast_parameters_(ref, compute_dtype)
             self.ref_model = self.engine.wrap_reference(ref if meta or host else ref.to(ctx.device))
         self.loss_spec = self._loss_spec()

@@ -145,8 +145,12 @@ def set_lora_b(trainer, scale=0.05):
     from grpo_dist.engines import clean_name
     m = trainer.engine.module
     full = FSDP.summon_full_params(m, writeback=True) if isinstance(m, FSDP) else contextlib.nullcontext()
+    from torch.distributed.tensor import DTensor, distribute_tensor
     with full, torch.no_grad():
         for name, p in m.named_parameters():
             if ".lora_B." in name:
                 g = torch.Generator().manual_seed(sum(map(ord, clean_name(name))))
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+                value = torch.randn(p.shape, generator=g) * scale
+                if isinstance(p, DTensor):  # FSDP2: this rank's shard of the full value
+                    value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+                p.copy_(value)

@@ -1,5 +1,6 @@
 """Every parameter and buffer of the policy, the reference and the generation replica is on the rank's device after
-setup, also on ranks that build the model on the meta device while rank 0 reads the weights (a buffer left on the
+setup, also on ranks that build the model on the meta device while rank 0 reads the weights (FSDP and FSDP2), with
+rank 0's values in every shard (a buffer left on the
 CPU of a GPU rank makes the first rollout index a CPU RoPE table with CUDA positions).
 
 A CPU has one device, so a buffer forgotten there would look placed. The tests below make forgetting visible:
@@ -64,7 +65,7 @@ def test_materialize_meta_puts_parameters_and_buffers_on_the_target_device(model
     assert torch.equal(real.model.rotary_emb.inv_freq, _meta_model(model_dir).model.rotary_emb.inv_freq)
 
 
-def _setup(rank, world, model_dir, meta_buffers):
+def _setup(rank, world, model_dir, meta_buffers, backend):
     if meta_buffers:  # the meta ranks build their buffers on meta too: a forgotten one cannot pass as placed
         import accelerate
         accelerate.init_empty_weights = functools.partial(accelerate.init_empty_weights, include_buffers=True)
@@ -77,11 +78,16 @@ def _setup(rank, world, model_dir, meta_buffers):
     cfg = load_config(None, [f"model.name_or_path={model_dir}", "beta=0.04", "reward_workers=0", "report_to=[]",
                              "progress_bar=false", "output_dir=/tmp/unused_device_placement", "num_generations=2",
                              "prompts_per_rank=1", "max_completion_length=4", "micro_batch_size=2",
-                             "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]"])
+                             "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]",
+                             f"distributed.backend={backend}"])
     tr = GRPOTrainer(cfg, ctx)
+    assert type(tr.engine).__name__ == {"fsdp": "FSDPEngine", "fsdp2": "FSDP2Engine"}[backend]
+    # the weights every rank streams to its rollout engine: all-gathered from every rank's shards
+    weights = {n: t.clone() for n, t in tr.engine.iter_full_weights()}
     models = {"policy": tr.engine.module, "reference": tr.ref_model, "replica": tr.gen_model}
     out = {"misplaced": {k: misplaced_tensors(m, ctx.device) for k, m in models.items()},
-           "buffers": {k: {clean_name(n): b.clone() for n, b in m.named_buffers()} for k, m in models.items()}}
+           "buffers": {k: {clean_name(n): b.clone() for n, b in m.named_buffers()} for k, m in models.items()},
+           "weights": weights}
     decoder = LeanDecoder(tr.gen_model)
     ids = torch.tensor([[5, 6, 7]], device=ctx.device)
     decoder.prefill(ids, torch.ones_like(ids), None, 4)
@@ -90,10 +96,17 @@ def _setup(rank, world, model_dir, meta_buffers):
     return out
 
 
-@pytest.mark.parametrize("meta_buffers", [False, True], ids=["real_buffers", "meta_buffers"])
-def test_every_tensor_on_the_rank_device_with_rank0_values_on_meta_built_ranks(model_dir, tmp_path, meta_buffers):
-    ranks = run_ranks(_setup, 2, tmp_path, model_dir, meta_buffers)
+@pytest.mark.parametrize("backend,meta_buffers", [("fsdp", False), ("fsdp", True), ("fsdp2", True)],
+                         ids=["real_buffers", "meta_buffers", "fsdp2_meta_buffers"])
+def test_every_tensor_on_the_rank_device_with_rank0_values_on_meta_built_ranks(model_dir, tmp_path, meta_buffers,
+                                                                              backend):
+    ranks = run_ranks(_setup, 2, tmp_path, model_dir, meta_buffers, backend)
+    from safetensors.torch import load_file
+    pretrained = load_file(f"{model_dir}/model.safetensors")  # the tied head stored once
     for r, res in enumerate(ranks):
+        assert res["weights"].keys() == pretrained.keys(), r
+        for name, want in pretrained.items():  # the shards built on meta hold rank 0's values
+            assert torch.equal(res["weights"][name], want), (r, name)
         assert res["misplaced"] == {"policy": [], "reference": [], "replica": []}, r
         for part, buffers in ranks[0]["buffers"].items():
             assert buffers.keys() == res["buffers"][part].keys() and buffers, (r, part)

@@ -1,10 +1,11 @@
-"""The training-engine contract (grpo_dist.engines.Engine), checked the same way on every engine that runs here:
-local (one process, in this one), FSDP on 2 gloo ranks, DeepSpeed ZeRO-2 and ZeRO-3 on 2 ranks (skipped without
-deepspeed). Each engine implements every abstract method; its steps move the weights as torch's AdamW does on a
-plain copy of the model, with the same clipped global grad norm (the same loss on every rank: gradients are averaged
-over ranks); current_lr follows warmup then cosine; gather_full_state gives full tensors under the plain HF names;
-iter_full_weights / copy_weights_to give every parameter; and the full state (plus save_engine_state, and the
-sharded format where supported) round-trips bitwise and resumes with the same next step."""
+"""The training-engine contract (grpo_dist.engines.Engine), checked the same way on every engine that runs here: local
+(one process, in this one), FSDP on 2 gloo ranks, FSDP2 on 2 ranks (one unit, and a unit per layer) and on 1,
+DeepSpeed ZeRO-2 and ZeRO-3 on 2 ranks (skipped without deepspeed). Each engine implements every abstract method;
+its steps move the weights as torch's AdamW does on a plain copy of the model, with the same clipped global grad
+norm (the same loss on every rank: gradients are averaged over ranks); current_lr follows warmup then cosine;
+gather_full_state gives full tensors under the plain HF names; iter_full_weights / copy_weights_to give every
+parameter; and the full state (plus save_engine_state, and the sharded format where supported) round-trips bitwise
+and resumes with the same next step."""
 
 import copy
 import math
@@ -21,6 +22,9 @@ BASE = EQUIV_BASE + [f"weight_decay={WEIGHT_DECAY}", f"warmup_steps={WARMUP}", "
 ENGINES = {  # name: (ranks, overrides, the class build_engine must pick)
     "local": (1, ["distributed.backend=fsdp"], "LocalEngine"),
     "fsdp": (2, ["distributed.backend=fsdp"], "FSDPEngine"),
+    "fsdp2": (2, ["distributed.backend=fsdp2"], "FSDP2Engine"),  # the tiny model as one unit (fsdp_wrap=auto)
+    "fsdp2_layers": (2, ["distributed.backend=fsdp2", "distributed.fsdp_wrap=layer"], "FSDP2Engine"),
+    "fsdp2_1_rank": (1, ["distributed.backend=fsdp2"], "FSDP2Engine"),
     "zero2": (2, ["distributed.backend=deepspeed", "distributed.zero_stage=2"], "DeepSpeedEngine"),
     "zero3": (2, ["distributed.backend=deepspeed", "distributed.zero_stage=3"], "DeepSpeedEngine"),
 }
@@ -180,7 +184,7 @@ def _run(rank, world, names, state_dir):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One launch of 2 ranks for FSDP and (with deepspeed) ZeRO-2 / ZeRO-3, in turn in the same processes."""
-    names = ["fsdp"]
+    names = ["fsdp", "fsdp2", "fsdp2_layers"]
     try:
         need_deepspeed()
         names += ["zero2", "zero3"]
@@ -196,8 +200,13 @@ def test_local_engine_keeps_the_contract(tmp_path):
     assert _run(0, 1, ["local"], str(tmp_path)) == {"local": []}
 
 
-@pytest.mark.slow  # 2 spawned ranks, the three engines in turn
-@pytest.mark.parametrize("name", ["fsdp", "zero2", "zero3"])
+@pytest.mark.usefixtures("one_thread")
+def test_one_rank_fsdp2_keeps_the_contract(tmp_path):
+    assert run_ranks(_run, 1, tmp_path, ["fsdp2_1_rank"], str(tmp_path))[0] == {"fsdp2_1_rank": []}
+
+
+@pytest.mark.slow  # 2 spawned ranks, the engines in turn
+@pytest.mark.parametrize("name", ["fsdp", "fsdp2", "fsdp2_layers", "zero2", "zero3"])
 def test_two_rank_engine_keeps_the_contract(two_ranks, name):
     if name not in two_ranks[0]:
         pytest.skip("deepspeed is not installed")

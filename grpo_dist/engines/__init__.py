@@ -3,9 +3,10 @@
 The trainer and checkpoint.py only ever call the methods of the abstract base class `Engine` (forward through
 `engine.module`, backward, step, weights for generation, full state for checkpoints). Implementations:
     engines/fsdp.py       FSDPEngine       FSDP (the default backend)
+    engines/fsdp2.py      FSDP2Engine      FSDP2 (fully_shard, backend=fsdp2)
     engines/local.py      LocalEngine      one full-precision process, no wrapper (build_engine picks it)
     engines/deepspeed.py  DeepSpeedEngine  DeepSpeed ZeRO-2 / ZeRO-3
-FSDPEngine and LocalEngine share engines/torch_engine.py (TorchEngine: torch's own optimizer step and DCP
+FSDPEngine, FSDP2Engine and LocalEngine share engines/torch_engine.py (TorchEngine: torch's own optimizer step and DCP
 checkpoints). What every engine builds the same way is here: activation checkpointing (checkpoint_layers), AdamW
 (adamw), the LR schedule (lr_schedule) and the configured optimizer settings after a resume
 (apply_optimizer_settings).
@@ -244,6 +245,9 @@ def build_engine(cfg, model: torch.nn.Module, ctx) -> Engine:
             return LocalEngine(cfg, model, ctx)
         from grpo_dist.engines.fsdp import FSDPEngine
         return FSDPEngine(cfg, model, ctx)
+    if cfg.distributed.backend == "fsdp2":  # on any world size: the same code as on N ranks
+        from grpo_dist.engines.fsdp2 import FSDP2Engine
+        return FSDP2Engine(cfg, model, ctx)
     if cfg.distributed.backend == "deepspeed":
         from grpo_dist.engines.deepspeed import DeepSpeedEngine
         return DeepSpeedEngine(cfg, model, ctx)

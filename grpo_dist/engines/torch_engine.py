@@ -31,12 +31,14 @@ class TorchEngine(Engine):
     """An engine whose policy is a torch module (wrapped by the subclass, or not) and whose AdamW step runs here.
     Subclasses say how to wrap (_wrap), clip (_clip_grad_norm) and see full parameters (_full_params)."""
 
+    checkpoints_before_wrap = False  # True: _wrap applies activation checkpointing itself (FSDP2)
+
     def __init__(self, cfg, model: torch.nn.Module, ctx):
         super().__init__(cfg, ctx)
         self._layer_classes = decoder_layer_classes(model)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         self.module = self._wrap(model, trainable=True)
-        if cfg.distributed.activation_checkpointing:
+        if cfg.distributed.activation_checkpointing and not self.checkpoints_before_wrap:
             checkpoint_layers(self.module, self._layer_classes)
         self.optimizer = adamw(cfg, [p for p in self.module.parameters() if p.requires_grad], torch.optim.AdamW)
         self.scheduler = lr_schedule(cfg, self.optimizer)
@@ -74,12 +76,16 @@ class TorchEngine(Engine):
         adapters are units of their own, so a layer's base weight and its A, B are gathered together (the whole
         model at once: with LoRA the trainable part is small, and the base model is what a merge needs anyway)."""
         from grpo_dist.lora import merged, scaling
-        with self._full_params():
-            # every name of a tied weight: an adapted tied head is merged into a weight of its own
-            full: dict[str, torch.Tensor] = {clean_name(n): p for n, p in
-                                             self.module.named_parameters(remove_duplicate=False)}
+        with self._full_named_parameters() as full:
             for name, t in merged(full, scaling(self.cfg.lora)).items():
                 yield name, t.detach() if dtype is None else t.detach().to(dtype)
+
+    @contextlib.contextmanager
+    def _full_named_parameters(self):
+        """{plain name: full tensor} of every parameter, tied ones under every name (an adapted tied head is
+        merged into a weight of its own), valid inside the context."""
+        with self._full_params():
+            yield {clean_name(n): p for n, p in self.module.named_parameters(remove_duplicate=False)}
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def supports_sharded(self) -> bool:
