@@ -90,7 +90,11 @@ class GRPOTrainer:
         self._seed_everything(cfg.seed + ctx.rank)  # each rank samples differently, reproducibly
         # Data and reward functions first: their mistakes are named before minutes of model loading.
         self.train_examples = self._load_split("train")
-        self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
+        self.eval_examples = self._load_split("eval") if cfg.eval_steps or cfg.full_eval_steps else []
+        if (cfg.eval_steps or cfg.full_eval_steps) and not self.eval_examples:
+            key = "eval_steps" if cfg.eval_steps else "full_eval_steps"
+            raise ConfigError(f"config key '{key}' = {getattr(cfg, key)}, but the eval split is empty (no "
+                              f"data.eval_path, and data.preset gives no held-out set here); set data.eval_path")
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
@@ -309,10 +313,10 @@ class GRPOTrainer:
         return exit_code
 
     def _evaluate_if_due(self, metrics: dict) -> None:
-        cfg = self.cfg
-        if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+        from grpo_dist.evaluation import due_tiers
+        for tier in due_tiers(self.cfg, self.step):  # light (eval_steps), then full (full_eval_steps)
             watchdog.set_phase("eval")
-            metrics.update(self.evaluate())
+            metrics.update(self.evaluate() if tier.name == "light" else self.evaluate(tier))
 
     def _check_health(self, metrics: dict):
         """The health monitor on this step's all-reduced metrics (the same verdict on every rank): its flags go
@@ -849,21 +853,23 @@ class GRPOTrainer:
                                   self.last_advantages.tolist(), batch.completion_lengths.tolist())
 
     # ------------------------------------------------------------------------------------------ evaluation, save
-    def evaluate(self) -> dict:
-        """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
-        from grpo_dist.evaluation import evaluate_accuracy
+    def evaluate(self, tier=None) -> dict:
+        """One evaluation tier (evaluation.eval_tiers; the light one by default): greedy accuracy (and pass@k when
+        configured) on its problems, split across ranks. Collective."""
+        from grpo_dist.evaluation import eval_tiers, run_tier
+        tier = tier or eval_tiers(self.cfg)[0]
         self.sync_rollout_weights()
-        examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console
         t0 = time.perf_counter()
-        acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
-                                sample_out=sample if self.ctx.is_main else None, say=self.logger.write,
-                                label=f"eval at step {self.step}")
+        out = run_tier(self.rollout_engine, self.tokenizer, self.eval_examples, self.cfg, self.ctx, self.rewards,
+                       tier, self.step, say=self.logger.write, sample_out=sample if self.ctx.is_main else None)
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
-        self.logger.write(f"[grpo_dist] eval at step {self.step}: eval_accuracy {acc:.4f} on {len(examples)} "
-                          f"problems in {time.perf_counter() - t0:.1f} s")
-        return {"eval_accuracy": acc}
+        what = "full eval" if tier.name == "full" else "eval"
+        acc = f"{tier.prefix}accuracy"
+        self.logger.write(f"[grpo_dist] {what} at step {self.step}: {acc} {out[acc]:.4f} on "
+                          f"{out[tier.prefix + 'num_examples']} problems in {time.perf_counter() - t0:.1f} s")
+        return out
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
