@@ -335,6 +335,16 @@ class GRPOConfig:
     dual_clip_c: Optional[float] = _f(None, "dual-clip: for negative advantages the ratio counts at most c times "
                                       "(c > 1; None: off)")
     entropy_coef: float = _f(0.0, "entropy bonus: loss -= entropy_coef * token entropy (0: off)")
+    # SFT + RL (grpo_dist/sft.py)
+    sft_coef: float = _f(0.0, "SFT + RL (001 section 6.2): each optimizer step adds sft_coef x the token-mean NLL "
+                         "of sft_batch_size reference solutions per rank (normalised on their own token count, "
+                         "logged sft_loss) to the GRPO loss; 0: off")
+    sft_field: Optional[str] = _f(None, "the column holding the reference solution: of the training rows, or of "
+                                  "sft_path's rows (needed when sft_coef > 0)")
+    sft_path: Optional[str] = _f(None, "a file of reference solutions of its own (.jsonl/.json/.parquet, rows with "
+                                 "data.prompt_field and sft_field); null: the sft_field column of the RL data")
+    sft_batch_size: int = _f(2, "reference solutions per rank per step (one micro-batch; longer than "
+                             "max_completion_length tokens: cut there)")
     kl_estimator: str = _f("k3", "KL(pi || ref) estimator: k1 = log ratio, k2 = squared log ratio / 2, k3 = "
                            "exp(-log ratio) + log ratio - 1", ("k1", "k2", "k3"))
     kl_in_reward: bool = _f(False, "true: beta x the completion's KL (sum of the estimator over its tokens, "
@@ -391,6 +401,7 @@ class GRPOConfig:
             bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         bad += _save_best_problems(self)
         bad += _eval_tier_problems(self)
+        bad += _sft_problems(self)
         if self.num_generations < 2:
             bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         bad += _number_problems(self)
@@ -515,6 +526,21 @@ def _save_best_problems(cfg) -> list[str]:
     if not getattr(cfg, steps):
         return [f"config key 'save_best' = {cfg.save_best} is never logged: {steps} = 0 (no evaluation); set "
                 f"{steps}=N, or save_best=null"]
+    return []
+
+
+def _sft_problems(cfg) -> list[str]:
+    """SFT + RL (grpo_dist/sft.py): a weight needs a source of solutions, and a source needs a weight."""
+    if not cfg.sft_coef >= 0:
+        return [f"config key 'sft_coef' must be >= 0, got {cfg.sft_coef}"]
+    if cfg.sft_batch_size < 1:
+        return [f"config key 'sft_batch_size' must be >= 1, got {cfg.sft_batch_size}"]
+    if cfg.sft_coef and not cfg.sft_field:
+        return [f"config key 'sft_coef' = {cfg.sft_coef} needs sft_field: the column of the reference solutions (of "
+                f"the training rows, or of sft_path's)"]
+    if not cfg.sft_coef and (cfg.sft_field or cfg.sft_path):
+        key = "sft_path" if cfg.sft_path else "sft_field"
+        return [f"config key '{key}' is set but sft_coef = 0: no SFT term is trained; set sft_coef > 0 or drop {key}"]
     return []
 
 
