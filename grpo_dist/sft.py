@@ -80,10 +80,10 @@ class SFTMixer:
             sol_ids[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
             sol_mask[i, :len(s)] = 1
         batch = RolloutBatch(ids, mask, sol_ids, sol_mask, 1, references=[e.answer for e in examples])
-        s = gdist.all_reduce_sum([float(sol_mask.sum()), float(sum(len(c) < len(f) for c, f in zip(cut, full))),
-                                  float(len(cut))], self.ctx.device)
+        sums = gdist.all_reduce_sum([float(sol_mask.sum()), float(sum(len(c) < len(f) for c, f in zip(cut, full))),
+                                     float(len(cut))], self.ctx.device)
         self.nll_sum = 0.0
-        return SFTBatch(batch.to(self.ctx.device), float(s[0]), float(s[1]), float(s[2]))
+        return SFTBatch(batch.to(self.ctx.device), float(sums[0]), float(sums[1]), float(sums[2]))
 
     def backward(self, engine, sft: SFTBatch, first: bool) -> bool:
         """Forward and backward of sft_coef x this rank's share of the token-mean NLL. Returns whether it was

@@ -509,7 +509,7 @@ class GRPOTrainer:
         correct = rewards >= 1.0 if correct is None else correct
         metrics = self._step_metrics(batch, rewards, correct, flat_groups, rows, sums, grad_norms)
         metrics.update(self._sampler_metrics(sums, batch, rows))
-        if sft is not None:
+        if self.sft is not None and sft is not None:
             metrics.update(self.sft.metrics(sft))
         return metrics
 
@@ -638,7 +638,7 @@ class GRPOTrainer:
                     finite &= self._train_micro_batch(batch.rows(idx), advantages[idx], normaliser, ref, old, it, sums)
                 else:
                     self._empty_backward()
-            if sft is not None:
+            if self.sft is not None and sft is not None:
                 finite &= self.sft.backward(self.engine, sft, it == 0)
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)

@@ -188,3 +188,14 @@ def test_resume_continues_the_solutions_order_and_the_weights_exactly(tmp_path, 
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     first = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["sft_loss"] for r in rows] == [r["sft_loss"] for r in first[2:]]
+
+
+def test_solutions_from_a_file_of_their_own(tmp_path):
+    """sft_path: the file's rows (data.prompt_field + sft_field) are the solutions, not the RL rows' column."""
+    sols = write_data(tmp_path, n=5, name="solutions.jsonl", column="worked")
+
+    def go():
+        tr = _trainer(sft_overrides(tmp_path, f"sft_path={sols}", "sft_field=worked", "prompts_per_rank=4"))
+        return [(e.prompt, e.answer) for e in tr.sft.sampler.examples]
+    rows = [json.loads(line) for line in sols.read_text().splitlines()]
+    assert _in_process(go) == [(r["question"], r["worked"]) for r in rows]
