@@ -353,6 +353,10 @@ class GRPOConfig:
     logprob_chunk_size: Optional[int] = _f(None, "rows of logits turned into log-probs at once (None: auto, as many "
                                            "as 16 MiB of fp32 logits on a CPU, 512 MiB on a GPU; never more)")
     # Optimisation
+    optimizer: str = _f("adamw", "adamw (torch, fp32 moments: 8 bytes of state per parameter) | adamw_8bit "
+                        "(bitsandbytes' blockwise 8-bit moments, ~2 bytes per parameter; 001 section 2.2: may be "
+                        "unstable, the health monitor watches grad_norm; pip install 'grpo_dist[adamw8bit]'; FSDP "
+                        "and single-process runs; docs/optimizers.md)", ("adamw", "adamw_8bit"))
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
@@ -402,6 +406,7 @@ class GRPOConfig:
         bad += _save_best_problems(self)
         bad += _eval_tier_problems(self)
         bad += _sft_problems(self)
+        bad += _optimizer_problems(self)
         if self.num_generations < 2:
             bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         bad += _number_problems(self)
@@ -527,6 +532,17 @@ def _save_best_problems(cfg) -> list[str]:
         return [f"config key 'save_best' = {cfg.save_best} is never logged: {steps} = 0 (no evaluation); set "
                 f"{steps}=N, or save_best=null"]
     return []
+
+
+def _optimizer_problems(cfg) -> list[str]:
+    """optimizer=adamw_8bit (grpo_dist/optim8bit.py): its library, and the engines it is built for."""
+    if cfg.optimizer != "adamw_8bit":
+        return []
+    if cfg.distributed.backend == "deepspeed":
+        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO "
+                "partitions and checkpoints its own fp32 optimizer); use distributed.backend=fsdp or optimizer=adamw"]
+    from grpo_dist.optim8bit import missing_problem
+    return missing_problem()
 
 
 def _sft_problems(cfg) -> list[str]:
