@@ -138,7 +138,8 @@ class DataConfig:
     max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left")
     limit: Optional[int] = _f(None, "use only the first N rows (after loading, before shuffling)")
     eval_path: Optional[str] = _f(None, "held-out prompts for periodic evaluation (same fields)")
-    eval_limit: Optional[int] = _f(64, "number of held-out prompts evaluated each eval_steps")
+    eval_limit: Optional[int] = _f(64, "the light evaluation tier: the first N held-out prompts, evaluated every "
+                                   "eval_steps (null: all of them; full_eval_steps is the tier of the whole set)")
     arithmetic: dict = _f(factory=dict, help="options of the built-in arithmetic set: {num_examples, max_operand, "
                           "num_operands, ops, seed}")
 
@@ -255,7 +256,8 @@ class GRPOConfig:
     save_final: bool = _f(True, "write a checkpoint after the last step")
     save_best: Optional[str] = _f(None, "keep the checkpoint of the best evaluation so far as output_dir/best/ "
                                   "(complete and resumable like checkpoint-N, never pruned; best/best.json says "
-                                  "its step and value), judged by this metric: eval_accuracy (needs eval_steps); "
+                                  "its step and value), judged by this metric: eval_accuracy (needs eval_steps) | "
+                                  "eval_full_accuracy (needs full_eval_steps); "
                                   "null: off")
     save_best_mode: str = _f("max", "whether a larger (max) or smaller (min) save_best metric is better",
                              ("max", "min"))
@@ -277,7 +279,16 @@ class GRPOConfig:
     log_completions: int = _f(4, "completions per step written to output_dir/completions.jsonl (prompt, completion, "
                               "reward per function, advantage): rank 0's first rows, i.e. its first prompt's group; "
                               "0: off")
-    eval_steps: int = _f(0, "evaluate on data.eval_path every N steps (0: never)")
+    eval_steps: int = _f(0, "the light evaluation tier: greedy accuracy on the first data.eval_limit held-out "
+                         "prompts every N steps and after the last, logged eval_accuracy, eval_truncated_fraction "
+                         "(0: never)")
+    full_eval_steps: int = _f(0, "the full evaluation tier: the whole held-out set every N steps and after the "
+                              "last, logged eval_full_accuracy, eval_full_truncated_fraction (0: never; 001 section "
+                              "4.1: a 1024-problem subset every 10 steps, the full set every 50)")
+    eval_num_samples: int = _f(0, "pass@k on the light tier: N sampled completions per problem (temperature, "
+                               "top_p, top_k; a seeded stream of its own, training sampling is unaffected), logged "
+                               "eval_pass@k for k = 1, 2, 4, ..., N (0: greedy only)")
+    full_eval_num_samples: int = _f(0, "pass@k on the full tier, logged eval_full_pass@k (0: greedy only)")
     report_to: list = _f(factory=lambda: ["jsonl"], help="metric sinks: jsonl, tensorboard, wandb")
     progress_bar: bool = _f(True, "tqdm bar on rank 0")
     # Rollout
@@ -350,6 +361,16 @@ class GRPOConfig:
     dual_clip_c: Optional[float] = _f(None, "dual-clip: for negative advantages the ratio counts at most c times "
                                       "(c > 1; None: off)")
     entropy_coef: float = _f(0.0, "entropy bonus: loss -= entropy_coef * token entropy (0: off)")
+    # SFT + RL (grpo_dist/sft.py)
+    sft_coef: float = _f(0.0, "SFT + RL (001 section 6.2): each optimizer step adds sft_coef x the token-mean NLL "
+                         "of sft_batch_size reference solutions per rank (normalised on their own token count, "
+                         "logged sft_loss) to the GRPO loss; 0: off")
+    sft_field: Optional[str] = _f(None, "the column holding the reference solution: of the training rows, or of "
+                                  "sft_path's rows (needed when sft_coef > 0)")
+    sft_path: Optional[str] = _f(None, "a file of reference solutions of its own (.jsonl/.json/.parquet, rows with "
+                                 "data.prompt_field and sft_field); null: the sft_field column of the RL data")
+    sft_batch_size: int = _f(2, "reference solutions per rank per step (one micro-batch; longer than "
+                             "max_completion_length tokens: cut there)")
     kl_estimator: str = _f("k3", "KL(pi || ref) estimator: k1 = log ratio, k2 = squared log ratio / 2, k3 = "
                            "exp(-log ratio) + log ratio - 1", ("k1", "k2", "k3"))
     kl_in_reward: bool = _f(False, "true: beta x the completion's KL (sum of the estimator over its tokens, "
@@ -358,6 +379,10 @@ class GRPOConfig:
     logprob_chunk_size: Optional[int] = _f(None, "rows of logits turned into log-probs at once (None: auto, as many "
                                            "as 16 MiB of fp32 logits on a CPU, 512 MiB on a GPU; never more)")
     # Optimisation
+    optimizer: str = _f("adamw", "adamw (torch, fp32 moments: 8 bytes of state per parameter) | adamw_8bit "
+                        "(bitsandbytes' blockwise 8-bit moments, ~2 bytes per parameter; 001 section 2.2: may be "
+                        "unstable, the health monitor watches grad_norm; pip install 'grpo_dist[adamw8bit]'; FSDP "
+                        "and single-process runs; docs/optimizers.md)", ("adamw", "adamw_8bit"))
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
@@ -405,6 +430,9 @@ class GRPOConfig:
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
         bad += _save_best_problems(self)
+        bad += _eval_tier_problems(self)
+        bad += _sft_problems(self)
+        bad += _optimizer_problems(self)
         if self.num_generations < 2:
             bad.append("config key 'num_generations' must be >= 2: advantages compare completions in a group")
         bad += _number_problems(self)
@@ -555,8 +583,8 @@ def _float64_problems(cfg) -> list[str]:
     return bad
 
 
-# The metrics an evaluation logs (trainer.evaluate): what save_best can judge by.
-EVAL_METRICS = ("eval_accuracy",)
+# The metrics an evaluation logs (trainer.evaluate), what save_best can judge by, and the key of their tier.
+EVAL_METRICS = {"eval_accuracy": "eval_steps", "eval_full_accuracy": "full_eval_steps"}
 
 
 def _save_best_problems(cfg) -> list[str]:
@@ -566,10 +594,53 @@ def _save_best_problems(cfg) -> list[str]:
     if cfg.save_best not in EVAL_METRICS:
         return [f"config key 'save_best' = {short(cfg.save_best)} is not a metric the evaluation logs; choose one "
                 f"of {', '.join(EVAL_METRICS)} (or null: off)"]
-    if not cfg.eval_steps:
-        return [f"config key 'save_best' = {cfg.save_best} is never logged: eval_steps = 0 (no evaluation); set "
-                f"eval_steps=N, or save_best=null"]
+    steps = EVAL_METRICS[cfg.save_best]
+    if not getattr(cfg, steps):
+        return [f"config key 'save_best' = {cfg.save_best} is never logged: {steps} = 0 (no evaluation); set "
+                f"{steps}=N, or save_best=null"]
     return []
+
+
+def _optimizer_problems(cfg) -> list[str]:
+    """optimizer=adamw_8bit (grpo_dist/optim8bit.py): its library, and the engines it is built for."""
+    if cfg.optimizer != "adamw_8bit":
+        return []
+    if cfg.distributed.backend == "deepspeed":
+        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO "
+                "partitions and checkpoints its own fp32 optimizer); use distributed.backend=fsdp or optimizer=adamw"]
+    from grpo_dist.optim8bit import missing_problem
+    return missing_problem()
+
+
+def _sft_problems(cfg) -> list[str]:
+    """SFT + RL (grpo_dist/sft.py): a weight needs a source of solutions, and a source needs a weight."""
+    if not cfg.sft_coef >= 0:
+        return [f"config key 'sft_coef' must be >= 0, got {cfg.sft_coef}"]
+    if cfg.sft_batch_size < 1:
+        return [f"config key 'sft_batch_size' must be >= 1, got {cfg.sft_batch_size}"]
+    if cfg.sft_coef and not cfg.sft_field:
+        return [f"config key 'sft_coef' = {cfg.sft_coef} needs sft_field: the column of the reference solutions (of "
+                f"the training rows, or of sft_path's)"]
+    if not cfg.sft_coef and (cfg.sft_field or cfg.sft_path):
+        key = "sft_path" if cfg.sft_path else "sft_field"
+        return [f"config key '{key}' is set but sft_coef = 0: no SFT term is trained; set sft_coef > 0 or drop {key}"]
+    return []
+
+
+def _eval_tier_problems(cfg) -> list[str]:
+    """The two evaluation tiers (grpo_dist.evaluation.eval_tiers): pass@k needs its tier, and the tiers differ."""
+    bad = []
+    if cfg.data.eval_limit is not None and cfg.data.eval_limit < 1:
+        bad.append(f"config key 'data.eval_limit' must be >= 1 (or null: the whole set), got {cfg.data.eval_limit}")
+    for samples, steps in (("eval_num_samples", "eval_steps"), ("full_eval_num_samples", "full_eval_steps")):
+        if getattr(cfg, samples) > 0 and not getattr(cfg, steps):
+            bad.append(f"config key '{samples}' = {getattr(cfg, samples)} needs {steps} > 0 (the tier it samples "
+                       f"in); set {steps}=N or {samples}=0")
+    if cfg.full_eval_steps and cfg.eval_steps and cfg.data.eval_limit is None:
+        bad.append("config key 'full_eval_steps' is set while data.eval_limit = null makes the light tier "
+                   "(eval_steps) the whole set too; set data.eval_limit=N (the light tier's size) or "
+                   "full_eval_steps=0")
+    return bad
 
 
 # A grader that needs more than a day per completion is hung; past ~9.2e9 s (int64 nanoseconds) the grading
@@ -582,7 +653,7 @@ MAX_REWARD_WEIGHT = 1e6
 
 # Ranges the types alone do not say; non-finite floats (inf, NaN) are refused everywhere.
 _AT_LEAST_0 = ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "reward_workers", "eval_steps",
-               "save_steps", "top_k", "adam_epsilon")
+               "save_steps", "top_k", "adam_epsilon", "full_eval_steps", "eval_num_samples", "full_eval_num_samples")
 _ABOVE_0 = ("reward_timeout_s", "generation_batch_size", "distributed.timeout_s", "data.max_prompt_length")
 
 

@@ -1,5 +1,7 @@
 """Accuracy of a model on a prompt set: greedy pass@1 and pass@k from K samples per problem (``evaluate``), and
-the greedy accuracy the trainer measures every eval_steps (``evaluate_accuracy``). The command line is
+the greedy accuracy of a problem set (``evaluate_accuracy``), and the trainer's two evaluation tiers (``eval_tiers``,
+``run_tier``): a light one on the first data.eval_limit problems every eval_steps, a full one on the whole set every
+full_eval_steps (001 section 4.1), each under its own metric names, pass@k optional on either. The command line is
 grpo_dist.tools.evaluate.
 
 A completion counts as correct when the first reward function gives it full marks (>= 1). Ranks split the problems
@@ -14,8 +16,10 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from grpo_dist import distributed as gdist
@@ -157,27 +161,33 @@ def evaluate_accuracy(model, tokenizer, examples, cfg, ctx, rewards, batch_size:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0, batch_size: int = 64,
-             progress: bool = False, records: list | None = None, step: int = 0) -> dict:
+             progress: bool = False, records: list | None = None, sample_out: list | None = None,
+             say: Callable[[str], None] | None = None, label: str = "eval", step: int = 0) -> dict:
     """Greedy pass@1, the fraction of greedy completions cut off at max_completion_length (no EOS) and, with
     num_samples = n > 0, sampled pass@k for k in k_values(n). All ranks must call it. model: a RolloutEngine, or a
-    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it.
-    step keys the sampling noise of pass@k (_score_examples)."""
+    model (sampled with the lean / hf loop). With `records`, this rank's greedy completions are appended to it;
+    sample_out: see _score_examples. say: rank 0 reports its progress through it (ProgressLines, `label`) instead
+    of `progress`'s stderr bar. step keys the sampling noise of pass@k (_score_examples)."""
     mine = examples[ctx.rank::ctx.world_size]
     bar: Any = None
-    if progress and ctx.is_main and sys.stderr.isatty():
+    if say is not None:
+        bar = ProgressLines(len(mine), f"{label} (rank 0's share)", say) if ctx.is_main else None
+    elif progress and ctx.is_main and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=len(mine), desc="greedy (rank 0)", unit="problem")  # one pass over the problems each
     elif progress and ctx.is_main:  # a log, not a terminal: a line per tenth of the problems
         bar = ProgressLines(len(mine), "greedy (rank 0)", lambda line: print(line, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     mine_records: list[dict] = []
-    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records)
+    greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records,
+                             sample_out) if mine else []
     sums = [float(sum(greedy)), float(len(mine)), float(sum(r["truncated"] for r in mine_records))]
     ks = k_values(num_samples) if num_samples > 0 else []
     if ks:
         if bar is not None:
             bar.reset(total=len(mine))
-            bar.set_description(f"{num_samples} samples (rank 0)")
+            bar.set_description(f"{label}, {num_samples} samples (rank 0's share)" if say is not None
+                                else f"{num_samples} samples (rank 0)")
         sampled = _score_examples(model, tokenizer, mine, cfg, rewards, num_samples, True,
                                   max(1, batch_size // num_samples), bar, step=step)
         sums += [sum(pass_at_k(num_samples, c, k) for c in sampled) for k in ks]
@@ -196,3 +206,55 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
         result["temperature"] = cfg.temperature
     result["eval_time_s"] = time.perf_counter() - t0
     return result
+
+
+# ------------------------------------------------------------------------------- the trainer's evaluation tiers
+
+@dataclass(frozen=True)
+class EvalTier:
+    """One evaluation tier of the trainer: every `every` steps (and after the last), the first `limit` problems of
+    the eval split (None: all of them), pass@k from `num_samples` samples per problem (0: greedy only); its
+    metrics are named `prefix` + accuracy / truncated_fraction / pass@k / num_examples."""
+
+    name: str
+    prefix: str
+    every: int
+    limit: int | None
+    num_samples: int
+
+
+def eval_tiers(cfg) -> list[EvalTier]:
+    """The configured tiers: light (eval_steps, data.eval_limit, eval_num_samples; metrics eval_*) and full
+    (full_eval_steps, the whole set, full_eval_num_samples; metrics eval_full_*)."""
+    tiers = []
+    if cfg.eval_steps:
+        tiers.append(EvalTier("light", "eval_", cfg.eval_steps, cfg.data.eval_limit, cfg.eval_num_samples))
+    if cfg.full_eval_steps:
+        tiers.append(EvalTier("full", "eval_full_", cfg.full_eval_steps, None, cfg.full_eval_num_samples))
+    return tiers
+
+
+def due_tiers(cfg, step: int) -> list[EvalTier]:
+    """The tiers due after optimizer step `step`: at their multiples and after the last step (the same on every
+    rank: a function of the config and the step)."""
+    return [t for t in eval_tiers(cfg) if step % t.every == 0 or step == cfg.max_steps]
+
+
+def run_tier(engine, tokenizer, examples, cfg, ctx, rewards, tier: EvalTier, step: int,
+             say: Callable[[str], None] | None = None, sample_out: list | None = None) -> dict:
+    """The metrics of one tier at `step` (every rank calls it: ranks split the problems, counts are summed).
+    Sampling (pass@k) draws from a torch RNG stream of its own, seeded by (seed, step, rank, tier), and the
+    training streams are put back afterwards: the training run is the same with and without pass@k."""
+    chosen = examples[:tier.limit] if tier.limit is not None else examples
+    seed = int(np.random.SeedSequence([cfg.seed, step, ctx.rank, int(tier.name == "full")]).generate_state(1)[0])
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        label = f"{'full eval' if tier.name == 'full' else 'eval'} at step {step}"
+        result = evaluate(engine, tokenizer, chosen, cfg, ctx, rewards, num_samples=tier.num_samples,
+                          say=say, label=label, sample_out=sample_out, step=step)
+    out = {f"{tier.prefix}accuracy": result["accuracy"],
+           f"{tier.prefix}truncated_fraction": result["truncated_fraction"],
+           f"{tier.prefix}num_examples": result["num_examples"]}
+    out.update({f"{tier.prefix}{k}": v for k, v in result.items() if k.startswith("pass@")})
+    return out

@@ -98,8 +98,9 @@ class MetricsLogger:
                 self._last_eval = metrics.get("eval_accuracy", self._last_eval)
                 post["eval_acc"] = f"{self._last_eval:.3f}"
             self._bar.set_postfix(post)
-        if step % self.logging_steps == 0 or "eval_accuracy" in metrics:
-            line = " ".join(f"{k}={_fmt(metrics[k])}" for k in ("step",) + CONSOLE_KEYS + ("eval_accuracy",)
+        if step % self.logging_steps == 0 or "eval_accuracy" in metrics or "eval_full_accuracy" in metrics:
+            line = " ".join(f"{k}={_fmt(metrics[k])}" for k in ("step",) + CONSOLE_KEYS + ("eval_accuracy",
+                                                                                           "eval_full_accuracy")
                             if k in metrics)
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()

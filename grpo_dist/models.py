@@ -147,8 +147,8 @@ def load_on_rank0_only(cfg, world_size: int) -> bool:
     """Whether rank 0 alone reads pretrained weights and the other ranks build on the meta device and receive
     rank 0's values (host RAM then holds about one model copy per node during loading, not one per rank, and the
     files are read once). FSDP fills the meta ranks while it wraps, FSDP2 by one broadcast per tensor, DeepSpeed by
-    a broadcast before deepspeed.initialize (fill_from_rank0). Same answer on every rank. Tiny random models are seeded identically on
-    every rank and need none of it."""
+    a broadcast before deepspeed.initialize (fill_from_rank0). Same answer on every rank. Tiny random models are
+    seeded identically on every rank and need none of it."""
     return (cfg.model.name_or_path is not None and world_size > 1
             and cfg.distributed.backend in ("fsdp", "fsdp2", "deepspeed"))
 

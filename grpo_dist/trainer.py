@@ -51,6 +51,7 @@ from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, 
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
 from grpo_dist.sampling_noise import row_seeds
+from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
@@ -92,8 +93,13 @@ class GRPOTrainer:
         self._seed_everything(cfg.seed + ctx.rank)
         # Data and reward functions first: their mistakes are named before minutes of model loading.
         self.train_examples = self._load_split("train")
-        self.eval_examples = self._load_split("eval") if cfg.eval_steps else []
+        self.eval_examples = self._load_split("eval") if cfg.eval_steps or cfg.full_eval_steps else []
+        if (cfg.eval_steps or cfg.full_eval_steps) and not self.eval_examples:
+            key = "eval_steps" if cfg.eval_steps else "full_eval_steps"
+            raise ConfigError(f"config key '{key}' = {getattr(cfg, key)}, but the eval split is empty (no "
+                              f"data.eval_path, and data.preset gives no held-out set here); set data.eval_path")
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        sft_examples = load_sft_examples(cfg, self.train_examples, ctx.is_main) if cfg.sft_coef else None
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
                                       conversational=cfg.data.use_chat_template)  # reward models load here
@@ -104,6 +110,7 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
+        self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
         meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
@@ -240,6 +247,8 @@ class GRPOTrainer:
         # Checked before any weight is read: a different world size resumes only where the state maps onto it.
         try:
             copy.copy(self.sampler).load_state_dict(saved["sampler"])  # the same checks, on a throwaway copy
+            if self.sft is not None and "sft_sampler" in saved:
+                copy.copy(self.sft.sampler).load_state_dict(saved["sft_sampler"])
         except DataError as e:
             hint = ""
             global_batch = saved["sampler"]["prompts_per_rank"] * saved["sampler"]["world_size"]
@@ -251,6 +260,11 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
+        if self.sft is not None and "sft_sampler" in state:
+            self.sft.sampler.load_state_dict(state["sft_sampler"])
+        elif self.sft is not None and self.ctx.is_main:
+            print(f"[grpo_dist] resume: {path} has no SFT order (sft_coef was 0): the reference solutions start "
+                  f"from their beginning", flush=True)
         self.step = state["step"]
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.resumed_from = Path(path)
@@ -325,10 +339,10 @@ class GRPOTrainer:
         return exit_code
 
     def _evaluate_if_due(self, metrics: dict) -> None:
-        cfg = self.cfg
-        if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.max_steps):
+        from grpo_dist.evaluation import due_tiers
+        for tier in due_tiers(self.cfg, self.step):  # light (eval_steps), then full (full_eval_steps)
             watchdog.set_phase("eval")
-            metrics.update(self.evaluate())
+            metrics.update(self.evaluate() if tier.name == "light" else self.evaluate(tier))
 
     def _check_health(self, metrics: dict):
         """The health monitor on this step's all-reduced metrics (the same verdict on every rank): its flags go
@@ -523,13 +537,17 @@ class GRPOTrainer:
         micro = self._plan_micro_batches(batch, rows)
         with timer("logprobs"):
             ref_logps, old_logps = self._reference_and_old_logps(batch, micro)
+        sft = self.sft.next_batch() if self.sft is not None else None  # SFT + RL: this step's solutions
         with timer("update"):
-            sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl)
+            sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl,
+                                            sft)
         self.step += 1
         watchdog.set_phase("metrics", self.step)
         correct = rewards >= 1.0 if correct is None else correct
         metrics = self._step_metrics(batch, rewards, correct, flat_groups, rows, sums, grad_norms)
         metrics.update(self._sampler_metrics(sums, batch, rows))
+        if self.sft is not None and sft is not None:
+            metrics.update(self.sft.metrics(sft))
         return metrics
 
     # advantage
@@ -633,7 +651,8 @@ class GRPOTrainer:
 
     # update
     def _update(self, batch: RolloutBatch, micro: list[list[int]], advantages: torch.Tensor, normaliser: float,
-                ref_logps: list, old_logps: list, reward_kl: float) -> tuple[dict, list[float]]:
+                ref_logps: list, old_logps: list, reward_kl: float,
+                sft: SFTBatch | None = None) -> tuple[dict, list[float]]:
         """num_iterations optimizer steps, each over every planned micro-batch (an empty one runs a zero-loss pass).
         An iteration's step is skipped on every rank when any rank's rewards, advantages, loss or gradient norm
         were not finite, or no rank trains a row; too many skipped steps in a row stop the run, and so does at once
@@ -642,7 +661,9 @@ class GRPOTrainer:
 
         Metrics are means over the tokens trained (rows of skipped flat groups excluded); loss, policy_loss, kl
         and entropy are taken at iteration 0, ratio and clip over every iteration (iteration 0's ratio is 1). The
-        kl sum starts from the reward's KL of the trained rows (kl_in_reward)."""
+        kl sum starts from the reward's KL of the trained rows (kl_in_reward). With SFT + RL (sft), every
+        iteration adds the SFT micro-batch's forward / backward on every rank; its step applies even when no rank
+        trains an RL row."""
         cfg = self.cfg
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
                     sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0, dual_clipped=0.0)
@@ -654,11 +675,13 @@ class GRPOTrainer:
                     finite &= self._train_micro_batch(batch.rows(idx), advantages[idx], normaliser, ref, old, it, sums)
                 else:
                     self._empty_backward()
+            if self.sft is not None and sft is not None:
+                finite &= self.sft.backward(self.engine, sft, it == 0)
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)
             faults.inject("sigint", self.step + 1, self.ctx.rank)
             seen = self._nonfinite_vote(not finite)
-            skip = seen is not None or normaliser == 0
+            skip = seen is not None or (normaliser == 0 and sft is None)
             before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
             result = self.engine.step(skip=skip)
             if not skip and not result.applied:
@@ -668,7 +691,7 @@ class GRPOTrainer:
             cause = cause or seen
             grad_norms.append(result.grad_norm)
             applied += int(result.applied)
-        if normaliser > 0:
+        if normaliser > 0 or sft is not None:
             self._track_nonfinite(applied == cfg.num_iterations, cause or "loss")
         return sums, grad_norms
 
@@ -891,27 +914,30 @@ class GRPOTrainer:
                                   self.last_advantages.tolist(), batch.completion_lengths.tolist())
 
     # ------------------------------------------------------------------------------------------ evaluation, save
-    def evaluate(self) -> dict:
-        """Greedy accuracy on a fixed held-out subset (ranks split it, results are summed)."""
-        from grpo_dist.evaluation import evaluate_accuracy
+    def evaluate(self, tier=None) -> dict:
+        """One evaluation tier (evaluation.eval_tiers; the light one by default): greedy accuracy (and pass@k when
+        configured) on its problems, split across ranks. Collective."""
+        from grpo_dist.evaluation import eval_tiers, run_tier
+        tier = tier or eval_tiers(self.cfg)[0]
         self.sync_rollout_weights()
-        examples = self.eval_examples[:self.cfg.data.eval_limit] if self.cfg.data.eval_limit else self.eval_examples
         sample: list = []  # rank 0's first evaluation completion, shown on the console
         t0 = time.perf_counter()
-        acc = evaluate_accuracy(self.rollout_engine, self.tokenizer, examples, self.cfg, self.ctx, self.rewards,
-                                sample_out=sample if self.ctx.is_main else None, say=self.logger.write,
-                                label=f"eval at step {self.step}")
+        out = run_tier(self.rollout_engine, self.tokenizer, self.eval_examples, self.cfg, self.ctx, self.rewards,
+                       tier, self.step, say=self.logger.write, sample_out=sample if self.ctx.is_main else None)
         self.rollout_engine.release()  # as after a rollout: the memory is training's until the next sync
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
-        self.logger.write(f"[grpo_dist] eval at step {self.step}: eval_accuracy {acc:.4f} on {len(examples)} "
-                          f"problems in {time.perf_counter() - t0:.1f} s")
-        return {"eval_accuracy": acc}
+        what = "full eval" if tier.name == "full" else "eval"
+        acc = f"{tier.prefix}accuracy"
+        self.logger.write(f"[grpo_dist] {what} at step {self.step}: {acc} {out[acc]:.4f} on "
+                          f"{out[tier.prefix + 'num_examples']} problems in {time.perf_counter() - t0:.1f} s")
+        return out
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
                 "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
-                "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict()}
+                "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict(),
+                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {})}
 
     def save(self, **where) -> Path:
         """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""

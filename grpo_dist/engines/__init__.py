@@ -199,6 +199,14 @@ def adamw(cfg, params, optimizer_class: type[_AdamW], allow_fused: bool = True) 
                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
+def build_optimizer(cfg, params) -> torch.optim.Optimizer:
+    """The optimizer config key `optimizer` names: torch AdamW, or bitsandbytes' AdamW8bit (grpo_dist/optim8bit.py)."""
+    if cfg.optimizer == "adamw_8bit":
+        from grpo_dist.optim8bit import build_adamw_8bit
+        return build_adamw_8bit(cfg, params)
+    return adamw(cfg, params, torch.optim.AdamW)
+
+
 def lr_schedule(cfg, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR schedule of warmup_steps / lr_scheduler_type over max_steps x num_iterations optimizer steps."""
     total = cfg.max_steps * cfg.num_iterations

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.engines import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import decoder_layer_classes
 
 
@@ -40,7 +40,7 @@ class TorchEngine(Engine):
         self.module = self._wrap(model, trainable=True)
         if cfg.distributed.activation_checkpointing and not self.checkpoints_before_wrap:
             checkpoint_layers(self.module, self._layer_classes)
-        self.optimizer = adamw(cfg, [p for p in self.module.parameters() if p.requires_grad], torch.optim.AdamW)
+        self.optimizer = build_optimizer(cfg, [p for p in self.module.parameters() if p.requires_grad])
         self.scheduler = lr_schedule(cfg, self.optimizer)
 
     @abc.abstractmethod

@@ -1,0 +1,102 @@
+"""Optimizer state per rank: optimizer=adamw vs adamw_8bit at 1 and 2 ranks, on SmolLM2-135M-Instruct (or a tiny
+model with --tiny). After one real GRPO step (the state exists), each rank counts the bytes of its live optimizer
+state tensors (grpo_dist.optim8bit.state_bytes) and the elements of its trainable parameters (its FSDP shards at
+2 ranks), and reports bytes per parameter and MiB per rank. The last line is one JSON object.
+
+    python bench/optimizer_memory.py            # SmolLM2 (python -m grpo_dist.tools.smollm2 builds it), ~5 min
+    python bench/optimizer_memory.py --tiny     # a tiny Qwen2, seconds
+
+Runs torchrun itself; needs bitsandbytes (pip install 'grpo_dist[adamw8bit]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+
+def _overrides(model: str, optimizer: str) -> list[str]:
+    return [model, f"optimizer={optimizer}", "beta=0", "reward_workers=0", "report_to=[]", "progress_bar=false",
+            "save_final=false", "num_generations=2", "prompts_per_rank=1", "max_completion_length=4",
+            "micro_batch_size=2", "learning_rate=1e-5", "log_completions=0", "health.enabled=false",
+            f"output_dir={tempfile.mkdtemp(prefix='bench_optim_')}",
+            "rewards=[{function: 'bench_common:digit_reward', weight: 1.0}]"]
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    from grpo_dist import distributed as gdist
+    from grpo_dist.config import load_config
+    from grpo_dist.optim8bit import state_bytes
+    from grpo_dist.trainer import GRPOTrainer
+    torch.set_num_threads(1)
+    ctx = gdist.init_distributed(600, 1)
+    trainer = GRPOTrainer(load_config(None, _overrides(args.model, args.optimizer)), ctx)
+    trainer.train_step()
+    opt = trainer.engine.optimizer
+    params = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    eight = sum(p.numel() for p, st in opt.state.items() if st.get("state1", torch.empty(0)).dtype == torch.uint8)
+    out = {"rank": ctx.rank, "params": params, "state_bytes": state_bytes(opt), "eight_bit_params": eight}
+    res = [None] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.all_gather_object(res, out)
+    else:
+        res = [out]
+    if ctx.is_main:
+        print("RESULT " + json.dumps(res), flush=True)
+    gdist.cleanup()
+
+
+def run(world: int, model: str, optimizer: str) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+           str(29650 + os.getpid() % 300), __file__, "--worker", "--model", model, "--optimizer", optimizer]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode:
+        sys.stderr.write(p.stdout[-2000:] + p.stderr[-5000:])
+        raise SystemExit("worker failed")
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 (hidden 256, 4 layers) instead of SmolLM2")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--optimizer", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.tiny:
+        from bench_common import tiny_override
+        model, name = tiny_override(256, 4, 1024), "tiny qwen2 hidden 256"
+    else:
+        from grpo_dist.tools import smollm2
+        model, name = f"model.name_or_path={smollm2.build_model_dir()}", "SmolLM2-135M-Instruct"
+    summary: dict = {"model": name}
+    print(f"{'':22} {'params/rank':>12} {'state MiB':>10} {'bytes/param':>12} {'8-bit share':>12}")
+    for optimizer in ("adamw", "adamw_8bit"):
+        for world in (1, 2):
+            for r in run(world, model, optimizer):
+                per = r["state_bytes"] / max(r["params"], 1)
+                label = f"{optimizer} {world} rank(s) r{r['rank']}"
+                print(f"{label:22} {r['params']:12d} {r['state_bytes'] / 2**20:10.2f} {per:12.3f} "
+                      f"{r['eight_bit_params'] / max(r['params'], 1):12.3f}", flush=True)
+                summary[f"{optimizer}_{world}rank_r{r['rank']}_state_mib"] = round(r["state_bytes"] / 2**20, 2)
+                summary[f"{optimizer}_{world}rank_r{r['rank']}_bytes_per_param"] = round(per, 3)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
