@@ -154,7 +154,7 @@ def _steps(rank, world_size, budget):
         trainer._micro_batches = planned
         metrics = trainer.learn(batch.rows(rows), rewards[rows])
         sd, _ = trainer.engine.gather_full_state()
-        results[name] = ({k: v.clone() for k, v in sd.items()}, metrics)
+        results[name] = ({k: v.clone() for k, v in sd.items()} if sd is not None else None, metrics)  # rank 0
     own = int(batch.rows(rows).completion_mask.sum() + batch.rows(rows).prompt_mask.sum())
     return results, seen, plans, own
 

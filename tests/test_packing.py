@@ -119,20 +119,38 @@ def _compare_paths(model, mb, temperature=0.9):
         diffs[f"loss/{name}"] = float((loss[False] - loss[True]).abs())
         diffs[f"grad/{name}"] = max(float((a - b).abs().max()) for a, b in zip(grads[False], grads[True]))
         diffs[f"grad_max/{name}"] = max(float(a.abs().max()) for a in grads[False])
-    return diffs
+    return diffs, out
 
 
-def _check(diffs):
+def _check(diffs, tol=None):
+    """Every difference within TOL (tol: per key, for the real model's fp32 noise floor)."""
+    tol = tol or {}
     for k, v in diffs.items():
         if k.startswith("grad_max/"):
             assert v > 1e-4, f"{k}: the gradient is ~0, the comparison proves nothing"
         else:
-            assert v <= TOL, (k, v)
+            assert v <= tol.get(k.split("/")[0], TOL), (k, v)
+
+
+def _alone(model, mb, temperature=0.9):
+    """Per-token log-probs and entropies [N, C] from each row's own forward, without any padding (the truth both
+    paths approximate in fp32)."""
+    from grpo_dist.logprobs import selective_log_probs
+    logp, ent = torch.zeros(mb.completion_ids.shape), torch.zeros(mb.completion_ids.shape)
+    with torch.no_grad():
+        for i in range(len(mb)):
+            P, C = int(mb.prompt_mask[i].sum()), int(mb.completion_mask[i].sum())
+            ids = torch.cat([mb.prompt_ids[i, -P:], mb.completion_ids[i, :C]])[None]
+            logits = model(input_ids=ids).logits[0, P - 1:P + C - 1]
+            e = torch.empty(C)
+            logp[i, :C] = selective_log_probs(logits, ids[0, P:], temperature=temperature, entropy_out=e)
+            ent[i, :C] = e
+    return logp, ent
 
 
 def test_packed_equals_padded_on_the_tiny_model():
     batch, _ = fixed_rollout()
-    _check(_compare_paths(_tiny().train(), batch.rows(list(range(len(batch))))))
+    _check(_compare_paths(_tiny().train(), batch.rows(list(range(len(batch)))))[0])
 
 
 def _real_batch(n=6, seed=5):
@@ -164,7 +182,23 @@ def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.02)
-    _check(_compare_paths(model.train(), _real_batch()))
+    mb = _real_batch()
+    diffs, out = _compare_paths(model.train(), mb)
+    # fp32 through 30 layers: the padded path itself is some 5e-5 away from each row's own unpadded forward (|logp|
+    # up to ~25 on these random tokens), so 1e-5 between two kernels' roundings is below the noise floor. The bar
+    # here: packed no farther from that truth than padded is (+ TOL), per-token differences within twice that
+    # noise, the losses within TOL, the gradients within 1e-4 of their largest entry.
+    truth = _alone(model, mb)
+    mask = mb.completion_mask.bool()
+    tol = {}
+    for j, key in enumerate(("logp", "entropy")):
+        noise = float((out[False][j].detach() - truth[j])[mask].abs().max())
+        packed = float((out[True][j].detach() - truth[j])[mask].abs().max())
+        assert packed <= noise + TOL, (key, packed, noise)
+        tol[key] = 2 * noise + TOL
+    grad_max = max(v for k, v in diffs.items() if k.startswith("grad_max/"))
+    tol["grad"] = max(TOL, 1e-4 * grad_max)
+    _check(diffs, tol)
 
 
 # ------------------------------------------------------------------------------------------- through the trainer
