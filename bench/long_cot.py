@@ -165,8 +165,15 @@ def worker(args) -> None:
             "tokens": tokens, "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
             "completion_length_mean": m["completion_length_mean"], "completion_length_max": m["completion_length_max"],
         }), flush=True)
+    # FSDP modules released while the process group lives, then out without the interpreter's teardown (a C++
+    # thread meeting a finalizing interpreter aborted ranks: "terminate called without an active exception")
     del trainer
+    import gc
+    gc.collect()
     gdist.cleanup()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------------- driver
