@@ -391,7 +391,16 @@ class GRPOConfig:
     max_grad_norm: float = _f(1.0, "gradient clipping (0: off)")
     warmup_steps: int = _f(0, "linear warmup steps")
     lr_scheduler_type: str = _f("constant", "schedule after warmup", ("constant", "linear", "cosine"))
-    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the rest)")
+    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the rest); with "
+                               "max_tokens_per_micro_batch a cap on the rows of a micro-batch")
+    max_tokens_per_micro_batch: Optional[int] = _f(None, "token budget of a micro-batch (None: micro_batch_size rows "
+                                                   "each): sequences are bin-packed by token count into balanced "
+                                                   "micro-batches of at most this many tokens computed, and the "
+                                                   "step's rows are balanced between ranks by tokens first; at least "
+                                                   "data.max_prompt_length + max_completion_length")
+    padding_free: bool = _f(True, "reference, old-policy and training passes on packed rows (sequences concatenated, "
+                            "position_ids restarting per sequence, no pad token computed); a model or attention "
+                            "implementation that cannot pack falls back to padded rows, saying so once")
     max_consecutive_nonfinite: int = _f(3, "stop after this many skipped steps in a row (NaN/inf loss or grads)")
     # Sections
     model: ModelConfig = _f(factory=ModelConfig, help="model section")
@@ -425,6 +434,11 @@ class GRPOConfig:
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             bad.append(f"config key 'logprob_chunk_size' must be >= 1 or null (auto), got "
                               f"{self.logprob_chunk_size}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and budget < self.data.max_prompt_length + self.max_completion_length:
+            bad.append(f"config key 'max_tokens_per_micro_batch' = {budget} is below the longest sequence "
+                       f"(data.max_prompt_length + max_completion_length = "
+                       f"{self.data.max_prompt_length + self.max_completion_length}); raise it or null (off)")
         if self.log_completions < 0:
             bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

@@ -144,3 +144,20 @@ def gather_object(obj, dst: int = 0) -> list | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
     return out
+
+
+def all_gather_1d(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's 1-D tensor, in rank order; the lengths may differ (two collectives: sizes, then the data padded
+    to the longest). t must be on `device` (the process group's: nccl needs CUDA tensors)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [t]
+    world = dist.get_world_size()
+    sizes = torch.tensor([t.numel()], dtype=torch.long, device=device)
+    all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes)
+    n = [int(s) for s in all_sizes]
+    padded = torch.zeros(max(max(n), 1), dtype=t.dtype, device=device)
+    padded[:t.numel()] = t
+    out = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return [o[:k] for o, k in zip(out, n)]

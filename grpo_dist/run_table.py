@@ -47,7 +47,12 @@ def run_table(cfg, world_size: int, has_reference: bool) -> list[str]:
                              f"{cfg.prompts_per_rank})"),
         ("completions per step", f"{n['completions_per_step']} (x num_generations {cfg.num_generations})"),
         ("micro-batches per step", f"{n['micro_batches_per_rank']} per rank of {n['rows_per_micro_batch']} rows "
-                                   f"(micro_batch_size)"),
+                                   f"(micro_batch_size)" if cfg.max_tokens_per_micro_batch is None else
+                                   f"by token count: at most {cfg.max_tokens_per_micro_batch} tokens computed "
+                                   f"(max_tokens_per_micro_batch) and {cfg.micro_batch_size} rows each"
+                                   + (", rows balanced between ranks by tokens" if world_size > 1 else "")),
+        ("log-prob passes", "packed rows where the model can pack (padding_free)" if cfg.padding_free else
+                            "padded rows (padding_free=false)"),
         ("updates per rollout", f"{n['updates_per_rollout_batch']} (num_iterations)"),
         ("tokens per step at cap", f"{n['tokens_per_step_at_cap']} ({n['completions_per_step']} x "
                                    f"(max_prompt_length {cfg.data.max_prompt_length} + max_completion_length "

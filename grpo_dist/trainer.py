@@ -6,7 +6,10 @@
       (dynamic sampling: rollout + grade again until enough groups have rewards that differ; _dynamic_sample)
       -> advantage      rewards less beta * KL (kl_in_reward), z-scored inside each group (groups never cross ranks)
       -> select rows    the rows that train, the step's loss normaliser, micro-batches of similar length
-      -> log-probs      reference (KL in the loss) and old (num_iterations > 1) in no-grad passes
+                        (max_tokens_per_micro_batch: rows balanced between ranks by tokens, then bin-packed by
+                        token count; micro_batches.py)
+      -> log-probs      reference (KL in the loss) and old (num_iterations > 1) in no-grad passes, on packed rows
+                        where the model allows (padding_free; packing.py)
       -> update         token-masked clipped ratio + beta * KL, micro-batched, one optimizer step per iteration
       -> metrics        all-reduced over ranks by name (_step_metrics, _sampler_metrics, _reward_means)
 
@@ -30,6 +33,7 @@ from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist import lora
+from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
@@ -43,16 +47,19 @@ from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
+from grpo_dist.packing import PassTokens, completion_forward, fallback_line
 from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rewards.batch import argument_problems, rollout_context
-from grpo_dist.rollout import RolloutBatch, completion_logits, concat_rollouts, cut_off, eos_token_ids
+from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
 from grpo_dist.sampling_noise import row_seeds
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
 
+PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
+EMPTY_PASS_TOKENS = 2  # the forward an empty micro-batch runs to keep the collectives in step
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
 
@@ -122,6 +129,7 @@ class GRPOTrainer:
         self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
         self.hf_model = policy  # its config and generation_config go into checkpoints
         self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
+        self.padding_free = cfg.padding_free and self._can_pack(policy)
         num_params = sum(p.numel() for p in policy.parameters())
         if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
             lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
@@ -171,6 +179,7 @@ class GRPOTrainer:
         self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
+        self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
 
     # --------------------------------------------------------------------------------------------------- setup
     def _build_replica(self, policy, meta: bool, compute_dtype):
@@ -189,6 +198,13 @@ class GRPOTrainer:
         replica.requires_grad_(False)
         prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
         return replica
+
+    def _can_pack(self, policy) -> bool:
+        """Whether the passes can run packed rows (padding_free); one line on rank 0 when they fall back."""
+        line = fallback_line(policy)
+        if line and self.ctx.is_main:
+            print(line, flush=True)
+        return line is None
 
     def _load_model(self, what: str, meta: bool, to_device: bool = True) -> torch.nn.Module:
         """load_model, on this rank's device unless meta or not to_device; rank 0 says what it loads and how long it
@@ -524,6 +540,7 @@ class GRPOTrainer:
         gave full marks (default: reward >= 1)."""
         timer = timer or Timer()
         watchdog.set_phase("advantage", self.step + 1)
+        self._tokens = {name: PassTokens() for name in PASSES}  # tokens/processed_<pass>, tokens/useful_<pass>
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
             shaped, seq_kl = self._kl_shaped_rewards(batch, rewards)
@@ -534,13 +551,13 @@ class GRPOTrainer:
         # the kl metric is a mean over the trained tokens: its numerator sums the KL of the trained rows only
         reward_kl = float(seq_kl[rows].sum()) if seq_kl is not None and rows else 0.0
         normaliser = self._step_normaliser(batch, rows)
-        micro = self._plan_micro_batches(batch, rows)
+        train, train_advantages, micro = self._plan_micro_batches(batch, rows, advantages)
         with timer("logprobs"):
-            ref_logps, old_logps = self._reference_and_old_logps(batch, micro)
+            ref_logps, old_logps = self._reference_and_old_logps(train, micro)
         sft = self.sft.next_batch() if self.sft is not None else None  # SFT + RL: this step's solutions
         with timer("update"):
-            sums, grad_norms = self._update(batch, micro, advantages, normaliser, ref_logps, old_logps, reward_kl,
-                                            sft)
+            sums, grad_norms = self._update(train, micro, train_advantages, normaliser, ref_logps, old_logps,
+                                            reward_kl, sft)
         self.step += 1
         watchdog.set_phase("metrics", self.step)
         correct = rewards >= 1.0 if correct is None else correct
@@ -560,9 +577,9 @@ class GRPOTrainer:
         if not (cfg.kl_in_reward and self.ref_model is not None):
             return rewards, None
         dev = self.ctx.device
-        micro = self._micro_batches(list(range(len(batch))))
-        ref = self._score(self.ref_model, batch, micro)
-        pol = self._score(self.engine.module, batch, micro)
+        micro = self._micro_batches(batch, list(range(len(batch))))
+        ref = self._score(self.ref_model, batch, micro, self._tokens["reference"])
+        pol = self._score(self.engine.module, batch, micro, self._tokens["old"])  # the policy before the update
         seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
         for idx, r, p in zip(micro, ref, pol):
             if idx:
@@ -607,17 +624,37 @@ class GRPOTrainer:
         local = float(len(rows)) if uses_sequence_normaliser(self.cfg.loss_type) else float(lengths[rows].sum())
         return float(gdist.all_reduce_sum([local], self.ctx.device)[0])
 
-    def _plan_micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """The rows in micro-batches of similar lengths (less padding)."""
-        lengths = batch.completion_lengths
-        return self._micro_batches(sorted(rows, key=lambda i: int(lengths[i]) + int(batch.prompt_mask[i].sum())))
+    def _plan_micro_batches(self, batch: RolloutBatch, rows: list[int],
+                            advantages: torch.Tensor) -> tuple[RolloutBatch, torch.Tensor, list[list[int]]]:
+        """(batch, advantages, micro-batches) of the log-prob and update passes. With max_tokens_per_micro_batch on
+        several ranks, the training rows are first balanced between ranks by tokens (collective; the update does not
+        depend on where a row trains: micro_batches.py), and the batch returned holds this rank's new rows."""
+        if self.cfg.max_tokens_per_micro_batch is not None and self.ctx.world_size > 1:
+            batch, advantages = mbatch.balance_ranks(batch, rows, advantages, self.tokenizer.pad_token_id,
+                                                     self.ctx.rank, self.ctx.world_size, self.ctx.device)
+            rows = list(range(len(batch)))
+        return batch, advantages, self._micro_batches(batch, rows)
 
-    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
-        """rows in micro_batch_size slices, then empty ones up to the count of the rank with the most (one
-        all-reduce): every rank runs the same number of passes."""
-        size = self.cfg.micro_batch_size
-        micro = [rows[i:i + size] for i in range(0, len(rows), size)]
-        n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """rows in micro-batches (micro_batch_size slices of the length order, or bin-packed by token count under
+        max_tokens_per_micro_batch), then empty ones up to the count of the rank with the most (one all-reduce):
+        every rank runs the same number of passes."""
+        cfg = self.cfg
+        lengths = mbatch.row_lengths(batch, rows)
+        if cfg.max_tokens_per_micro_batch is None:
+            size = cfg.micro_batch_size
+            order = sorted(rows, key=lambda i: sum(lengths[i]))  # similar lengths together: less padding
+            micro = [order[i:i + size] for i in range(0, len(order), size)]
+            n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
+        else:
+            def plan(at_least):
+                return mbatch.plan_token_budget(lengths, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size,
+                                                self.padding_free, at_least)
+            micro = plan(1)
+            n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
+            if len(micro) < n_micro:  # the passes run anyway: smaller micro-batches rather than empty ones
+                smaller = plan(n_micro)
+                micro = smaller if len(smaller) <= n_micro else micro
         return micro + [[] for _ in range(n_micro - len(micro))]
 
     # log-probs
@@ -626,27 +663,29 @@ class GRPOTrainer:
         update (num_iterations > 1); None where not run (with one iteration the training pass's own detached
         log-probs are the old ones)."""
         unused = [None] * len(micro)
-        ref = self._score(self.ref_model, batch, micro) if self._kl_in_loss() else unused
-        old = self._score(self.engine.module, batch, micro) if self.cfg.num_iterations > 1 else unused
+        ref = self._score(self.ref_model, batch, micro, self._tokens["reference"]) if self._kl_in_loss() else unused
+        old = self._score(self.engine.module, batch, micro, self._tokens["old"]) if self.cfg.num_iterations > 1 \
+            else unused
         return ref, old
 
     def _kl_in_loss(self) -> bool:
         return self.ref_model is not None and not self.cfg.kl_in_reward
 
-    def _score(self, model, batch: RolloutBatch, micro: list[list[int]]) -> list:
-        """No-grad per-token log-probs of each micro-batch (for the reference, or the old policy); None for an empty
-        micro-batch."""
+    def _score(self, model, batch: RolloutBatch, micro: list[list[int]], count: PassTokens) -> list:
+        """No-grad per-token log-probs [rows, C] of each micro-batch (for the reference, or the old policy); None
+        for an empty micro-batch. count receives the pass's tokens."""
         out: list = []
         with torch.no_grad():
             for idx in micro:
                 if not idx:
                     model(**self._empty_inputs())  # keep the FSDP all-gathers in step with other ranks
+                    count.processed += EMPTY_PASS_TOKENS
                     out.append(None)
                     continue
                 mb = batch.rows(idx)
-                logits = completion_logits(model, mb)
-                out.append(selective_log_probs(logits, mb.completion_ids, self.cfg.logprob_chunk_size,
-                                               self.cfg.temperature))
+                logits, labels, to_rows = completion_forward(model, mb, self.padding_free, count)
+                out.append(to_rows(selective_log_probs(logits, labels, self.cfg.logprob_chunk_size,
+                                                       self.cfg.temperature)))
         return out
 
     # update
@@ -724,9 +763,10 @@ class GRPOTrainer:
         """Forward, loss and backward of one micro-batch at iteration `it`; its metric terms are added to sums.
         Returns whether its loss was finite."""
         first = it == 0
-        logits = completion_logits(self.engine.module, mb)
-        logp, entropy = self._logp_and_entropy(logits, mb, first)
-        if first:
+        logits, labels, to_rows = completion_forward(self.engine.module, mb, self.padding_free, self._tokens["train"])
+        logp, entropy = self._logp_and_entropy(logits, labels, first)
+        logp, entropy = to_rows(logp), (to_rows(entropy) if entropy is not None else None)  # [rows, C] from here
+        if first and entropy is not None:
             sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
         c = logp.shape[1]
         old = old_logp[:, :c] if old_logp is not None else logp.detach()
@@ -761,15 +801,15 @@ class GRPOTrainer:
                         importance_sampling_level=cfg.importance_sampling_level, dual_clip_c=cfg.dual_clip_c,
                         entropy_coef=cfg.entropy_coef, max_completion_length=cfg.max_completion_length)
 
-    def _logp_and_entropy(self, logits, mb: RolloutBatch, want_entropy: bool):
-        """Training-pass log-probs, and the token entropy: with gradient for the entropy bonus, else a no-grad
-        metric (first iteration only; None otherwise)."""
+    def _logp_and_entropy(self, logits, labels: torch.Tensor, want_entropy: bool):
+        """Training-pass log-probs of the labels, and the token entropy: with gradient for the entropy bonus, else a
+        no-grad metric (first iteration only; None otherwise)."""
         cfg = self.cfg
         if cfg.entropy_coef != 0.0:
-            return selective_log_probs_and_entropy(logits, mb.completion_ids, cfg.logprob_chunk_size,
+            return selective_log_probs_and_entropy(logits, labels, cfg.logprob_chunk_size,
                                                    cfg.temperature, overwrite_logits=True)
-        entropy = torch.empty(mb.completion_ids.shape, device=logits.device) if want_entropy else None
-        logp = selective_log_probs(logits, mb.completion_ids, cfg.logprob_chunk_size, cfg.temperature,
+        entropy = torch.empty(labels.shape, device=logits.device) if want_entropy else None
+        logp = selective_log_probs(logits, labels, cfg.logprob_chunk_size, cfg.temperature,
                                    overwrite_logits=True, entropy_out=entropy)
         return logp, entropy
 
@@ -796,12 +836,13 @@ class GRPOTrainer:
 
     def _empty_inputs(self) -> dict:
         pad = self.tokenizer.pad_token_id
-        ids = torch.full((1, 2), pad, dtype=torch.long, device=self.ctx.device)
+        ids = torch.full((1, EMPTY_PASS_TOKENS), pad, dtype=torch.long, device=self.ctx.device)
         return dict(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1, use_cache=False)
 
     def _empty_backward(self) -> None:
         """A rank with fewer micro-batches still runs forward + backward (zero loss) so FSDP's collectives match."""
         out = self.engine.module(**self._empty_inputs())
+        self._tokens["train"].processed += EMPTY_PASS_TOKENS
         self.engine.backward(out.logits.sum() * 0.0)
 
     def _track_nonfinite(self, all_applied: bool, cause: str = "loss") -> None:
@@ -838,7 +879,9 @@ class GRPOTrainer:
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
-            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")}}, dev)
+            **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
+            **{f"tokens/{k}_{name}": getattr(t, k) for name, t in self._tokens.items()
+               for k in ("processed", "useful")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations
@@ -865,6 +908,9 @@ class GRPOTrainer:
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
             "learning_rate": self.engine.current_lr(),
             "skipped_steps": self.nonfinite_steps,
+            # tokens each pass computed (padding and empty passes included) and the real ones it needed, all ranks
+            # and iterations: their difference is the padding (padding_free, max_tokens_per_micro_batch)
+            **{k: float(v) for k, v in s.items() if k.startswith("tokens/")},
             "epoch": self.sampler.epoch,
             "_completion_tokens": float(s["completion_tokens"]) / self.ctx.world_size,  # per rank, for tokens/s
             # decode rows computed vs tokens generated, all ranks and rollout rounds (lean / hf: vLLM batches its
