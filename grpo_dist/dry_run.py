@@ -36,7 +36,7 @@ def prepare(cfg, world_size: int):
     from grpo_dist.config import load_config
     d = cfg.to_dict()
     d.update(num_generations=DRY_RUN_GENERATIONS, prompts_per_rank=math.ceil(DRY_RUN_PROMPTS / world_size),
-             max_steps=DRY_RUN_STEPS, save_steps=0, save_final=False, eval_steps=0, full_eval_steps=0,
+             max_steps=DRY_RUN_STEPS, save_steps=0, save_final=False, save_best=None, eval_steps=0, full_eval_steps=0,
              eval_num_samples=0, full_eval_num_samples=0, resume_from_checkpoint=None,
              overwrite_output_dir=False, output_dir=str(dry_run_dir(world_size)), log_completions=0,
              progress_bar=False, report_to=[], warmup_steps=0, dry_run=True)

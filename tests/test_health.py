@@ -132,10 +132,13 @@ def test_run_table_numbers_are_the_config_arithmetic():
 @pytest.mark.fast
 def test_dry_run_config_never_touches_output_dir():
     from grpo_dist.dry_run import prepare
+    # save_best too: the demo's config keeps its best evaluation, and the dry run evaluates nothing (it was refused
+    # with "save_best is never logged" before the dry run started)
     cfg = prepare(load_config(SMOKE, ["output_dir=/tmp/users_run", "save_steps=1", "eval_steps=2",
-                                      "health.stop_on=[truncated]"]), world_size=3)
+                                      "save_best=eval_accuracy", "health.stop_on=[truncated]"]), world_size=3)
     assert (cfg.num_generations, cfg.prompts_per_rank, cfg.max_steps) == (2, 3, 2)  # ceil(8 / 3) = 3
     assert (cfg.save_steps, cfg.save_final, cfg.eval_steps, cfg.resume_from_checkpoint) == (0, False, 0, None)
+    assert cfg.save_best is None
     assert "users_run" not in cfg.output_dir and "grpo_dist_dry_run" in cfg.output_dir
     assert cfg.health.stop_on == [] and cfg.dry_run
 
