@@ -5,6 +5,7 @@
     python bench/gpu_check.py evaluate --model CHECKPOINT --out DIR
     python bench/gpu_check.py meta --model DIR --out DIR      # the trainer as rank 1 of a pretend 2-rank world
     python bench/gpu_check.py decode                          # lean decoder ms/step at 0.5B and 7B shapes
+    python bench/gpu_check.py long --model DIR --out DIR      # one step, long-tailed completions up to 1024 tokens
     python bench/gpu_check.py summary RESULTS.jsonl           # or the folder / gpu_check.tgz that holds it
 
 Models are random-init Qwen2 shapes built from configs (nothing is downloaded): Qwen2.5-0.5B (24 layers, hidden 896,
@@ -346,6 +347,78 @@ def cmd_decode(a) -> None:
             torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------------------ long
+# Issue 29's long-completion step at the 0.5B shape: bench/long_cot.py's lognormal lengths (median 200, p95 900,
+# cap 1024) over the 0.5B config's per-rank rows (8 prompts x 8), every lever on.
+LONG = dict(prompts_per_rank=8, num_generations=8, median=200, p95=900, cap=1024, budget=8192)
+if SMOKE:
+    LONG = dict(prompts_per_rank=2, num_generations=8, median=12, p95=48, cap=64, budget=512)
+LONG_PASSES = ("decode", "reference", "old", "train")
+
+
+def cmd_long(a) -> None:
+    """One GRPO step of the real trainer with long-tailed completions, every lever on (padding_free,
+    max_tokens_per_micro_batch, decode_compaction_threshold at its default): each row's length is forced by EOS
+    placement (long_cot.ForcedLengths around the lean decoder), num_iterations=2 so the old-policy pass runs too.
+    Reports per phase time, tokens computed vs needed per pass (tokens/processed_* and tokens/useful_*, decode
+    included) and the peak memory (max_memory_allocated on CUDA, peak RSS on a CPU)."""
+    from bench_common import peak_rss_mib
+    from long_cot import ForcedLengths, lengths
+
+    from grpo_dist import distributed as gdist
+    from grpo_dist import rollout_engines
+    ctx = gdist.init_distributed(600)
+    L = dict(LONG, budget=a.budget or LONG["budget"])
+    rows = L["prompts_per_rank"] * L["num_generations"]
+    targets = lengths(rows, L["median"], L["p95"], L["cap"])
+    cfg = make_config(a.model, Path(a.out) / "long", max_steps=1, num_iterations=2, rollout_engine="lean",
+                      prompts_per_rank=L["prompts_per_rank"], num_generations=L["num_generations"],
+                      max_completion_length=L["cap"], micro_batch_size=64, padding_free=True,
+                      max_tokens_per_micro_batch=L["budget"])
+    assert cfg.padding_free and cfg.max_tokens_per_micro_batch == L["budget"]
+    tr = new_trainer(cfg, ctx)
+    eos = list(tr.sampling_spec().eos_ids)
+    make = rollout_engines.make_decoder
+    rollout_engines.make_decoder = lambda *args, **kw: ForcedLengths(make(*args, **kw), targets, eos)
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    m = tr.train_step()
+    sync()
+    wall = time.perf_counter() - t0
+    mean = sum(targets) / len(targets)
+    forced = abs(m["completion_length_mean"] - mean) < 1e-6 and m["completion_length_max"] == max(targets)
+    tokens = {}
+    for p in LONG_PASSES:
+        done, need = float(m.get(f"tokens/processed_{p}", 0.0)), float(m.get(f"tokens/useful_{p}", 0.0))
+        tokens[p] = dict(processed=done, useful=need, padding_fraction=round(1 - need / done, 4) if done else 0.0)
+    pad = {p: t["padding_fraction"] for p, t in tokens.items()}
+    times = dict(rollout_s=round(m["time_rollout_s"], 3), logprobs_s=round(m.get("time_logprobs_s", 0.0), 3),
+                 update_s=round(m["time_update_s"], 3))
+    peak, rss = peak_gib(), round(peak_rss_mib(), 1)
+    # issue 29's bars: padding at most 5 % of the tokens computed in every log-prob and training pass, 15 % in decode
+    bars = pad["decode"] <= 0.15 and all(pad[p] <= 0.05 for p in LONG_PASSES[1:])
+    print(f"CHECK long {Path(a.model).name} {rows} rows, cap {L['cap']} (lengths median {L['median']:g}, p95 "
+          f"{L['p95']:g}; mean {mean:.1f}, max {max(targets)}), budget {L['budget']} tokens: lengths forced: "
+          f"{forced}; rollout {times['rollout_s']:.2f} s, log-probs {times['logprobs_s']:.2f} s, update "
+          f"{times['update_s']:.2f} s; computed/useful "
+          + ", ".join(f"{p} {t['processed']:.0f}/{t['useful']:.0f} ({100 * t['padding_fraction']:.1f} % pad)"
+                      for p, t in tokens.items())
+          + f"; peak {f'{peak} GiB' if peak is not None else 'n/a'}, RSS {rss:.0f} MiB; issue 29's padding bars "
+          f"(decode <= 15 %, passes <= 5 %) {'met' if bars else 'NOT met'}", flush=True)
+    result(stage="long", model=Path(a.model).name, rows=rows, cap=L["cap"], median=L["median"], p95=L["p95"],
+           budget=L["budget"], lengths_forced=forced, completion_length_mean=m["completion_length_mean"],
+           completion_length_max=m["completion_length_max"], **times, step_s=round(sum(times.values()), 3),
+           wall_s=round(wall, 3), tokens=tokens, padding_fraction=pad, padding_bars_met=bars, loss=m["loss"],
+           peak_gib=peak, peak_rss_mib=rss, device=str(ctx.device), padding_free=cfg.padding_free,
+           decode_compaction_threshold=cfg.decode_compaction_threshold)
+    close(tr)
+    gdist.cleanup()
+    if not forced:
+        raise SystemExit(f"completion lengths (mean {m['completion_length_mean']}, max "
+                         f"{m['completion_length_max']}) are not the forced ones (mean {mean}, max {max(targets)})")
+
+
 # ------------------------------------------------------------------------------------------------------ summary
 PICK = {"start": ("cmd", "torch", "gpu"),
         "build": ("kind", "params_m", "tied", "seconds"),
@@ -357,7 +430,9 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib"),
         "meta": ("device", "misplaced", "examples", "loss", "step_time_s", "peak_gib"),
         "decode": ("shape", "rows", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
-                   "peak_gib")}
+                   "peak_gib"),
+        "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "logprobs_s", "update_s", "padding_fraction",
+                 "peak_gib", "peak_rss_mib")}
 ARCHIVE = "gpu_check.tgz"  # what gpu_check.sh leaves in $OUT, with summary.txt
 
 
@@ -409,6 +484,10 @@ def main(argv=None) -> None:
     d = sub.add_parser("decode")
     # H200 HBM3e: 4.8 TB/s (H100 SXM 3.35, A100 80GB 2.0); on a CPU the floor is a nominal figure
     d.add_argument("--gb-per-s", type=float, default=float(os.environ.get("GPU_CHECK_HBM_GBPS", 4800)))
+    lg = sub.add_parser("long")
+    lg.add_argument("--model", required=True)
+    lg.add_argument("--out", required=True)
+    lg.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch (0: 8192, smoke 512)")
     s = sub.add_parser("summary")
     s.add_argument("results")
     a = ap.parse_args(argv)
@@ -416,7 +495,7 @@ def main(argv=None) -> None:
         result(stage="start", cmd=a.cmd, smoke=SMOKE, torch=torch.__version__,
                gpu=torch.cuda.get_device_name() if CUDA else None)
     {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "meta": cmd_meta, "decode": cmd_decode,
-     "summary": cmd_summary}[a.cmd](a)
+     "long": cmd_long, "summary": cmd_summary}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@
 #   train_untied   save_format=full on the untied 4-layer model
 #   evaluate       python -m grpo_dist.tools.evaluate's code on the full checkpoint (generation in the compute dtype)
 #   cli            torchrun -m grpo_dist.train end to end, 2 steps + a save (nccl group creation, the entry point)
+#   long           issue 29's long-completion step: one GRPO step of the real trainer on the 4-layer 0.5B-shape model,
+#                  64 rows (8 prompts x 8) of bench/long_cot.py's long-tailed lengths (lognormal median 200, p95 900,
+#                  cap 1024, forced by EOS placement), every lever on (padding_free, max_tokens_per_micro_batch 8192,
+#                  decode_compaction_threshold at its default), num_iterations 2: per phase time, tokens computed vs
+#                  needed per pass (decode, reference, old, train), peak GPU memory (peak RSS on a CPU)
 # Printed per step: step time and its split (rollout, log-probs, update), rollout and training tokens/s, peak GPU
 # memory; per phase (rollout, learn, save, evaluate): median time and peak memory; per resume: loss equality and
 # the largest weight difference. $OUT (default /tmp/gpu_check) gets two files, since a lent machine returns at most
@@ -126,6 +131,7 @@ stage train_untied 120 "${TR[@]}" train --model "$M/qwen05_4l_untied" --out "$WO
 stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out "$WORK/full"
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
+stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
 
 figures
 echo

@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = ROOT.parent / "shared" / "notes" / "gpu-first-run.md"
-STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "train_untied", "evaluate", "cli")
+STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "train_untied", "evaluate", "cli",
+          "long")
 
 
 def _archive(out: Path) -> dict[str, str]:
@@ -73,7 +74,32 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
         # the floor: every weight read once per step at the bandwidth (an H200's 4800 GB/s by default)
         assert x["gb_per_s"] == 4800 and x["floor_ms"] == pytest.approx(x["weight_bytes"] / 4800e9 * 1e3, rel=1e-3)
         assert x["floor_with_kv_ms"] > x["floor_ms"]
+    # the long-completion stage (issue 29): one step on bench/long_cot.py's long-tailed lengths, every lever on
+    from long_cot import lengths
+    long = [x for x in rows if x["stage"] == "long"]
+    assert len(long) == 1, long
+    lg, spec = long[0], gpu_check.LONG
+    targets = lengths(spec["prompts_per_rank"] * spec["num_generations"], spec["median"], spec["p95"], spec["cap"])
+    assert lg["rows"] == len(targets) and lg["cap"] == spec["cap"] == 64 and lg["budget"] == spec["budget"]
+    # every row got exactly its drawn length (EOS forced), so the figures are those of that distribution
+    assert lg["lengths_forced"] and lg["completion_length_mean"] == pytest.approx(sum(targets) / len(targets))
+    assert lg["completion_length_max"] == max(targets)
+    assert lg["padding_free"] is True and lg["decode_compaction_threshold"] == 0.25  # the levers on (the default)
+    assert all(lg[k] > 0 for k in ("rollout_s", "logprobs_s", "update_s")) and lg["peak_rss_mib"] > 0
+    assert (lg["peak_gib"] is None) == (lg["device"] == "cpu")  # max_memory_allocated on CUDA only
+    for p in ("decode", "reference", "old", "train"):
+        t = lg["tokens"][p]
+        assert 0 < t["useful"] <= t["processed"], (p, t)
+        assert t["padding_fraction"] == lg["padding_fraction"][p] == pytest.approx(1 - t["useful"] / t["processed"],
+                                                                                   abs=1e-4)
+    # decode's useful tokens are the completions' (EOS included); packed passes compute no padding at all
+    assert lg["tokens"]["decode"]["useful"] == sum(targets)
+    assert all(lg["padding_fraction"][p] == 0.0 for p in ("reference", "old", "train"))
+    # num_iterations 2: the training pass runs over the rows twice, the old-policy pass once
+    useful = {p: lg["tokens"][p]["useful"] for p in ("reference", "old", "train")}
+    assert useful["train"] == 2 * useful["old"] == 2 * useful["reference"]
     summary = (out / "summary.txt").read_text()
+    assert "CHECK long qwen05_4l 16 rows, cap 64" in summary and "lengths forced: True" in summary
     assert "CHECK meta rank 1 of 2" in summary and "CHECK decode 7b" in summary and "step_time_s=" in summary
     assert "=== figures" in r.stdout and "step_time_s=" in r.stdout
     # gpu-first-run.md's `gpu_check.py summary $OUT/results.jsonl` reads results.jsonl from the archive
