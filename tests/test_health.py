@@ -11,7 +11,7 @@ from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, CONDITIONS, HealthMonitor
 
 SMOKE = "configs/smoke_cpu.yaml"
 ZERO_REWARD = "rewards=[{function: 'grpo_dist.rewards:math_reward', weight: 1.0}]"  # a random model: always 0
-PARITY_REWARD = "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]"  # 0 or 1: the parity of the characters' sum
+PARITY_REWARD = "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]"  # 0 or 1: parity of the characters
 
 # a healthy step: rewards vary, nothing cut off, long answers, entropy 2, grad norm 1, small KL
 OK = dict(reward_mean=0.4, reward_std=0.3, zero_advantage_fraction=0.2, truncated_fraction=0.1,
@@ -152,8 +152,8 @@ def _main(capsys, *args):
 
 
 def test_dry_run_verdicts_on_the_smoke_model(tmp_path, capsys):
-    """The smoke model with a reward that differs between its random completions (the parity of their characters' sum) can
-    learn (exit 0); with math_reward alone every reward of the random model is 0 and 97% of its completions are cut
+    """The smoke model with a reward that differs between its random completions (the parity of their characters)
+    can learn (exit 0); with math_reward alone every reward of the random model is 0 and 97% of its completions are cut
     off at 8 tokens: 'cannot learn' (exit 5). The user's output_dir is never made. (The smoke config's own rewards,
     math_reward + digit_overlap, depend on whether a random completion happens to hold a digit: with 2 completions
     per prompt every group can be flat, as it is under the per-prompt sampling noise.)"""
