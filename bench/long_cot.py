@@ -51,9 +51,9 @@ def lengths(n: int, median: float, p95: float, cap: int, seed: int = 0) -> list[
 
 
 class ForcedLengths:
-    """A decoder wrapper (prefill/step as grpo_dist.rollout's decoders) that makes row r end with EOS at exactly
-    its target length: EOS banned before the row's last step, forced at it. A batch that shrinks (a compacting
-    decoder) is taken to hold the rows still running at some earlier step, in order."""
+    """A decoder wrapper (prefill/step/compact as grpo_dist.rollout's decoders) that makes row r end with EOS at
+    exactly its target length: EOS banned before the row's last step, forced at it. Unlike
+    grpo_dist.compaction.ForcedLengths it follows the rows across the chunks of a rollout (generation_batch_size)."""
 
     def __init__(self, decoder, targets: list[int], eos: list[int]):
         self.decoder, self.targets, self.eos = decoder, targets, eos
@@ -73,17 +73,17 @@ class ForcedLengths:
         self.t += 1
         return self._force(self.decoder.step(tokens))
 
+    def compact(self, keep):
+        """The decoder drops rows (grpo_dist.compaction: the unfinished ones plus finished fillers up to a bucket
+        size): keep the targets of the rows it keeps, in its order."""
+        self.decoder.compact(keep)
+        self.rows = [self.rows[i] for i in keep.tolist()]
+
     def _force(self, logits):
         import torch
         rows = self.rows
-        if logits.shape[0] != len(rows):  # compacted: the rows still running at the last compaction, in order
-            for s in range(self.t, -1, -1):
-                alive = [r for r in rows if self.targets[r] > s]
-                if len(alive) == logits.shape[0]:
-                    rows = alive
-                    break
-            else:
-                raise RuntimeError(f"decoder batch of {logits.shape[0]} rows matches no set of running rows")
+        if logits.shape[0] != len(rows):
+            raise RuntimeError(f"decoder batch of {logits.shape[0]} rows, {len(rows)} rows tracked")
         logits = logits.clone()
         last = torch.tensor([self.targets[r] - 1 == self.t for r in rows], device=logits.device)
         eos = torch.as_tensor(self.eos, device=logits.device)
@@ -97,7 +97,7 @@ class ForcedLengths:
 
 def _configs(has_compaction: bool, budget: int) -> dict[str, list[str]]:
     """Each configuration's overrides: off (today's path), each lever alone, on (every lever)."""
-    no_compaction = ["decode_compaction_threshold=1.0"] if has_compaction else []  # 1.0: compact never
+    no_compaction = ["decode_compaction_threshold=null"] if has_compaction else []  # null: compact never
     padded, packed = ["padding_free=false", "micro_batch_size=16"], ["padding_free=true", "micro_batch_size=16"]
     budgeted = ["micro_batch_size=64", f"max_tokens_per_micro_batch={budget}"]
     out = {"off": padded + no_compaction, "padding_free": packed + no_compaction,
