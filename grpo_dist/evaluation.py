@@ -179,8 +179,9 @@ def evaluate(model, tokenizer, examples, cfg, ctx, rewards, num_samples: int = 0
         bar = ProgressLines(len(mine), "greedy (rank 0)", lambda line: print(line, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     mine_records: list[dict] = []
+    # also with no examples: the calls of its vLLM tensor-parallel group (_score_examples)
     greedy = _score_examples(model, tokenizer, mine, cfg, rewards, 1, False, batch_size, bar, mine_records,
-                             sample_out) if mine else []
+                             sample_out)
     sums = [float(sum(greedy)), float(len(mine)), float(sum(r["truncated"] for r in mine_records))]
     ks = k_values(num_samples) if num_samples > 0 else []
     if ks:
