@@ -294,6 +294,9 @@ def answer_group(text: str):
             return None, False
         return _box_group(text, spans)
     bare = _bare_answer(text)
+    if not bare:
+        from .prose import final_sentence_answer  # rule 3b: the value the final sentence states
+        bare = final_sentence_answer(text)
     return ([bare] if bare else None), False
 
 

@@ -186,6 +186,7 @@ from grpo_dist.rewards.extract import (
 from grpo_dist.rewards.parser import (
     EVAL_DPS, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
 )
+from grpo_dist.rewards.prose import end_of_turn
 
 __all__ = ["extract_answer", "math_reward", "evaluated_math_reward", "is_equivalent", "clean_answer",
            "DECIMAL_REL_TOL"]
@@ -215,7 +216,7 @@ def extract_answer(text: str) -> str | None:
     """
     if not isinstance(text, str) or not text:
         return None
-    text = normalize_unicode(text)
+    text = normalize_unicode(end_of_turn(text))
     parts = answer_parts(text)
     if not parts:
         return None
@@ -972,7 +973,7 @@ def math_reward(completion: str, reference: str) -> float:
         ref = _reference_answer(reference)
         if not ref:
             return 0.0
-        parts, ordered = answer_group(normalize_unicode(completion))
+        parts, ordered = answer_group(normalize_unicode(end_of_turn(completion)))
         if ordered and parts:
             refs = split_top_level(ref)
             if len(refs) == len(parts):  # (a) ... (b) ...: part by part, in the reference's order
