@@ -300,8 +300,9 @@ def answer_group(text: str):
     return ([bare] if bare else None), False
 
 
-_DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|\$(.+)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
-_SEGMENT_RE = re.compile(r"\$\$([^$]+)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
+# ``\$`` is a dollar sign inside the math, not a delimiter ("$ \frac12 \$ = \frac{10}{9} $")
+_DELIMITED_RE = re.compile(r"\$\$(.+)\$\$|(?<!\\)\$(.+)(?<!\\)\$|\\\((.+)\\\)|\\\[(.+)\\\]", re.S)
+_SEGMENT_RE = re.compile(r"\$\$([^$]+)\$\$|(?<!\\)\$((?:\\\$|[^$])+)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _UNIT_WORD_SET = None
 
 
@@ -339,7 +340,7 @@ def _bare_answer(text: str):
     m = _DELIMITED_RE.fullmatch(t)
     if m:
         inner = next(g for g in m.groups() if g is not None).strip()
-        return inner if inner and "$" not in inner else None
+        return inner if inner and "$" not in inner.replace("\\$", "") else None
     segs = list(_SEGMENT_RE.finditer(t))  # "The answer is $5$.": its one math segment, at the end
     # ... or before a short clause that points at it: "Therefore $x \ge 5$ is the solution."
     tail = t[segs[0].end():] if len(segs) == 1 else ""

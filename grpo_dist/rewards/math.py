@@ -226,6 +226,8 @@ def extract_answer(text: str) -> str | None:
 
 def _reference_answer(reference: str) -> str:
     reference = normalize_unicode(reference)
+    reference = re.sub(r"\\\\(?=(?:boxed|fbox|text)\b)", r"\\", reference)  # "\\boxed": escaped twice
+    reference = _close_reference_box(reference)
     boxes = reference_boxes(reference) if "\\boxed" in reference or "\\fbox" in reference else []
     if len(boxes) > 1:  # "\boxed{1} papers and \boxed{2} bins": one answer of several values, in order
         return ", ".join(c.strip() for c in boxes)
@@ -237,6 +239,18 @@ def _reference_answer(reference: str) -> str:
 
 
 _WORKED_RE = re.compile(r"(?i)final\s+answer")
+
+
+def _close_reference_box(reference: str) -> str:
+    """A reference's last box that is never closed runs to the end of the reference (a dataset's truncated
+    ``\\boxed{W(n) = 1 \\text{ and } W(n) = -1``).  References only: an unclosed box in a completion is no
+    answer."""
+    p = max(reference.rfind("\\boxed{"), reference.rfind("\\fbox{"))
+    if p < 0:
+        return reference
+    tail = reference[p:]
+    depth = tail.count("{") - tail.count("\\{") - (tail.count("}") - tail.count("\\}"))
+    return reference + "}" * depth if 0 < depth <= 3 else reference
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -384,6 +398,7 @@ def clean_answer(s: str) -> str:
     s = re.sub(r"(?i)^either\s+", "", s)
     s = re.sub(r"\s+(?:and|or)\s+", ",", s)
     s = re.sub(r"(?<=[)\]])\s*(?:and|or)\s*(?=[(\[])", ",", s)  # (11,7)or(7,11)
+    s = re.sub(r"(?<=\d)\s*or\s*(?=[A-Za-z(]\s*(?:\(\s*[A-Za-z]\s*\)\s*)?=)", ",", s)  # W(x)=1orW(x)=-1
     s = _doubled_braces(s)
     s = _REPEATING_RE.sub(_repeating, s)
     s = _UNIT_TAIL_RE.sub("", s).strip()
@@ -953,6 +968,10 @@ def _is_equivalent(answer: str, reference: str) -> bool:
         if letters or not re.fullmatch(r"[A-Z]", r):  # a bare capital may also be a variable
             return letters == {ref_choice}
     ca, cr = _candidates(a), _candidates(r)
+    if not cr and "=" in r:  # a reference chain is its last side; earlier sides may be outside the grammar
+        last = r.rsplit("=", 1)[1]
+        if last.strip() and last.count("{") == last.count("}") and last.count("(") == last.count(")"):
+            cr = _candidates(last)
     for va, da in ca:
         for vr, dr in cr:
             if values_equiv(va, vr, da or dr):
