@@ -65,3 +65,28 @@ def test_end_of_turn_cuts_a_later_box():
     text = "The answer is $\\boxed{4}$.<|im_end|>\n<|im_start|>user\nAnd now? \\boxed{9}"
     assert extract_answer(text) == "4"
     assert math_reward(text, "9") == 0.0
+
+
+A = "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}"
+B = "\\begin{pmatrix}0 & 1 \\\\ 1 & 0\\end{pmatrix}"
+
+
+@pytest.mark.parametrize("answer,reference,expected", [
+    # matrix arithmetic is its value, as 2+3 is 5: entry by entry, A B = [[1*0+2*1, 1*1+2*0], [3*0+4*1, 3*1+4*0]]
+    (f"${A} + {B}$", "\\begin{pmatrix}1 & 3 \\\\ 4 & 4\\end{pmatrix}", 1),
+    (f"${A} - {B}$", "\\begin{pmatrix}1 & 1 \\\\ 2 & 4\\end{pmatrix}", 1),
+    (f"${A} {B}$", "\\begin{pmatrix}2 & 1 \\\\ 4 & 3\\end{pmatrix}", 1),
+    (f"$2 {B}$", "\\begin{pmatrix}0 & 2 \\\\ 2 & 0\\end{pmatrix}", 1),
+    # the product does not commute (B A swaps the rows, not the columns), shapes must agree
+    (f"${B} {A}$", "\\begin{pmatrix}2 & 1 \\\\ 4 & 3\\end{pmatrix}", 0),
+    (f"${A} + {B}$", "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}", 0),
+    (f"${A} + \\begin{{pmatrix}}1 & 2\\end{{pmatrix}}$", "\\begin{pmatrix}2 & 4 \\\\ 3 & 4\\end{pmatrix}", 0),
+])
+def test_matrix_arithmetic(answer, reference, expected):
+    assert math_reward(answer, reference) == float(expected)
+
+
+def test_matrix_product_work_is_bounded():
+    row = " & ".join(["7"] * 9)
+    big = "\\begin{pmatrix}" + " \\\\ ".join([row] * 9) + "\\end{pmatrix}"
+    assert math_reward(f"${big} {big}$", big) == 0.0  # 9*9*9 > MAX_MATRIX_PRODUCT: refused, not computed

@@ -60,6 +60,14 @@ cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
    $5$." -> 5), also before a short clause pointing at it ("Therefore $x \\ge 5$
    is the solution.").  Prose without math markup ("The answer is 42.") and
    sentences with several segments give no answer.
+3b. Concluding sentence [round 4, grpo_dist/rewards/prose.py].  With no box, no
+   marker and no bare answer, the last sentence of a *worked* solution (at
+   least one sentence before it) that opens with therefore / thus / hence / so
+   / finally ... and is complete (a full stop) states the answer: its last
+   value, skipping values after "not"; values joined to it by "and" / "," are
+   one list.  A hedge word or "?" in it, denying words after the value, or a
+   completion cut mid-sentence give no answer.  Text after the first
+   end-of-turn token (``<|im_end|>``, ``<|im_start|>`` ...) is never read.
 4. Lists vs single values [hedge].  A comma / ``and`` / ``or`` / ``\\lor`` /
    ``\\vee`` / ``(or ...)`` / ``\\pm`` list is compared with the reference as a
    list (unordered, same length) and **never equals a single value**:
