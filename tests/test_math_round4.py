@@ -27,6 +27,7 @@ WORK = "We set up the equation and solve it step by step: 3x + 1 = 7 gives x = 2
     (WORK + "Therefore, the count is 12, which is wrong.", "12", 0),
     (WORK + "Therefore, the answer is 5, not 6.", "6", 0),
     (WORK + "Therefore, the answer is 5, not 6.", "5", 1),
+    (WORK + "Therefore, it is 5 not 7.", "7", 0),      # math-verify pays this denial for 7
     (WORK + "Therefore, the roots are 2 and 3.", "3", 0),
     (WORK + "Therefore, the roots are 2 and 3.", "2, 3", 1),
     (WORK * 3 + "Therefore, we now compute 17 more terms of the sequence and", "17", 0),
