@@ -15,63 +15,15 @@ import math
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
 
-
-# The longest a problem may print (the longest real one, an unknown top-level key with the allowed keys, is ~900
-# characters): a hostile value (a 72 MB YAML alias expansion, a 10 MB override) never reaches the console whole.
-MAX_PROBLEM_CHARS = 2000
-
-
-def clip(text: Any, limit: int = 80) -> str:
-    """str(text), cut to `limit` characters with a count of the rest: for values and keys shown in messages."""
-    text = str(text)
-    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """repr(value), cut like clip(): every value a message shows goes through this."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit str limit
-        text = f"<{type(value).__name__} too large to print>"
-    return clip(text, limit)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, always naming the key (and file) at fault. `problems` lists every problem found
-    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all).
-    Every problem is one line of at most MAX_PROBLEM_CHARS characters."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        message = _one_bounded_line(message)
-        super().__init__(message)
-        self.problems = [_one_bounded_line(p) for p in problems] if problems else [message]
-
-
-def _one_bounded_line(text: str) -> str:
-    return clip(" ".join(str(text).split()) if "\n" in str(text) else text, MAX_PROBLEM_CHARS)
-
-
-def _raise_all(problems: list[str], where: str = "") -> None:
-    """Raise one ConfigError carrying every problem, if there are any."""
-    if not problems:
-        return
-    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-    raise ConfigError(f"{where}{problems[0]}{more}", problems)
-
-
-def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    meta: dict[str, Any] = {"help": help}
-    if choices:
-        meta["choices"] = choices
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+from grpo_dist.config_sections.base import (MAX_PROBLEM_CHARS, ConfigError, _f, _one_bounded_line,  # noqa: F401
+                                         _raise_all, clip, short)
+from grpo_dist.config_sections.data import DataConfig, data_config_problems
 
 
 # k1 = logp - ref as a loss term: its expected gradient is E_pi[grad log pi] = 0 (the score function has mean 0),
@@ -120,28 +72,6 @@ class ModelConfig:
     attn_implementation: Optional[str] = _f(None, "sdpa | eager | flash_attention_2 (None: transformers' default)")
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
     init_seed: int = _f(0, "seed of the random init for `tiny` models (same on every rank)")
-
-
-@dataclass
-class DataConfig:
-    preset: Optional[str] = _f("arithmetic", "gsm8k | math500 | math | arithmetic (built in) | None: fills path, "
-                               "fields and answer format",
-                               ("gsm8k", "math500", "math", "arithmetic"))
-    path: Optional[str] = _f(None, "training prompts: .jsonl, .json or .parquet file, or hf:NAME[:SPLIT]")
-    prompt_field: str = _f("question", "field holding the problem text")
-    answer_field: str = _f("answer", "field holding the reference answer")
-    answer_format: str = _f("raw", "how to read the reference: raw | gsm8k ('#### n') | boxed (last \\boxed{})",
-                            ("raw", "gsm8k", "boxed"))
-    prompt_template: str = _f("{prompt}", "template with {prompt}; used when use_chat_template is false")
-    use_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
-    system_prompt: Optional[str] = _f(None, "system message for the chat template")
-    max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left")
-    limit: Optional[int] = _f(None, "use only the first N rows (after loading, before shuffling)")
-    eval_path: Optional[str] = _f(None, "held-out prompts for periodic evaluation (same fields)")
-    eval_limit: Optional[int] = _f(64, "the light evaluation tier: the first N held-out prompts, evaluated every "
-                                   "eval_steps (null: all of them; full_eval_steps is the tier of the whole set)")
-    arithmetic: dict = _f(factory=dict, help="options of the built-in arithmetic set: {num_examples, max_operand, "
-                          "num_operands, ops, seed}")
 
 
 @dataclass
@@ -469,7 +399,6 @@ class GRPOConfig:
                 bad.append(f"config key 'report_to' has {short(s)}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             bad.append("config key 'data.path' (or 'data.preset') must be set")
-        from grpo_dist.data import data_config_problems  # grpo_dist.data imports this module: import when used
         bad += data_config_problems(self.data)
         if self.model.name_or_path is None and self.model.tiny is not None:  # the tiny model is built
             bad += tiny_problems(self.model.tiny)
