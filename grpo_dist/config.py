@@ -907,10 +907,14 @@ def _is_text_key(parts: list[str]) -> bool:
     return _key_type(parts) is str
 
 
-def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None) -> str:
+def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None,
+           sources: dict[str, str] | None = None) -> str:
     """Prefix an error with where the bad key came from: the command line, or the YAML file and the key's line
-    (`lines`: dotted key -> line, from yaml_key_lines)."""
+    (`lines`: dotted key -> line in `path`, from yaml_key_lines; or `sources`: dotted key -> "FILE:LINE", from
+    config_compose, where the key may be written in a defaults or +exp file)."""
     import re
+
+    from grpo_dist.config_compose import source_of
     if message.startswith("override "):  # a malformed override names itself
         return message
     # "config key 'a' ...", or "config keys 'a' + 'b' ..." (any of them given on the command line)
@@ -920,6 +924,9 @@ def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | Non
         top = re.split(r"[.\[]", key)[0]
         if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
             return f"command line: {message}"
+        source = source_of(sources, key) if sources is not None else None
+        if source:
+            return f"{source}: {message}"
         line = key_line(lines or {}, key)
         if path and line:
             return f"{path}:{line}: {message}"
@@ -961,33 +968,26 @@ def key_line(lines: dict[str, int], key: str) -> int | None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> GRPOConfig:
-    """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
-    validate the typed config."""
-    d: dict = dict(base or {})
-    lines: dict[str, int] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: cannot be read as UTF-8 text: {e}") from None
-        d = load_yaml(text, str(p)) or {}  # bounded (depth, alias expansion) before anything else reads it
-        lines = yaml_key_lines(text)
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of config keys")
+                base: dict | None = None, where: dict[str, str] | None = None) -> GRPOConfig:
+    """Load YAML (optional; or start from `base`, e.g. a run's saved config) with its `defaults` chain, merge the
+    `+exp=NAME` files, apply dotted overrides, build and validate the typed config (config_compose). `where`, when
+    given, is filled with each dotted key's source ("FILE:LINE" or "command line")."""
+    from grpo_dist.config_compose import compose, note_overrides, split_exp
+    exps, overrides = split_exp(overrides or [])
+    d, sources = compose(path, exps, base)
     bad = []
     try:
-        d = apply_overrides(d, overrides or [])
+        d = apply_overrides(d, overrides)
     except ConfigError as e:  # the well-formed overrides are applied: check the rest of the config too
         bad += e.problems
+    note_overrides(sources, overrides)
+    if where is not None:
+        where.update(sources)
     try:
         cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
         bad += e.problems
-    _raise_all([_blame(b, path, overrides or [], lines) for b in bad])  # each names the command line or file:line
+    _raise_all([_blame(b, path, overrides, sources=sources) for b in bad])  # each names its file:line or the CLI
     return cfg
 
 
@@ -1007,19 +1007,19 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
     return lines
 
 
-def _check_data_files(cfg: GRPOConfig, path, overrides: list[str]) -> None:
+def _check_data_files(cfg: GRPOConfig, path, overrides: list[str], where: dict[str, str] | None = None) -> None:
     """--check: the data files the config names exist and their first row has the configured fields (no model,
     no dataset download); each problem names the file and line of the key, or the command line."""
     from grpo_dist.data.check import data_file_problems
-    lines = yaml_key_lines(Path(path).read_text()) if path else {}
-    _raise_all([_blame(b, path, overrides, lines) for b in data_file_problems(cfg.data)])
+    _raise_all([_blame(b, path, overrides, sources=where or {}) for b in data_file_problems(cfg.data)])
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo_dist.config`: every key with its default and help.
     `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
-    as YAML (exit 0), or every problem, one per line (exit 2). CONFIG may be `none` to check overrides on the
-    defaults."""
+    as YAML followed by `# key = value  <- source` comment lines saying where each value came from (FILE:LINE of
+    the config, a defaults file or a +exp file; command line; default), exit 0; or every problem, one per line
+    (exit 2). CONFIG may be `none` to check overrides on the defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("\n".join(describe()))
@@ -1030,8 +1030,9 @@ def main(argv: list[str] | None = None) -> int:
     path = None if args[1] == "none" else args[1]
     try:
         overrides = expand_flags(args[2:])
-        cfg = load_config(path, overrides)
-        _check_data_files(cfg, path, overrides)
+        where: dict[str, str] = {}
+        cfg = load_config(path, overrides, where=where)
+        _check_data_files(cfg, path, overrides, where)
         from grpo_dist.preflight import check_context_length  # reads the model's config.json, as the trainer's start
         check_context_length(cfg)
     except ConfigError as e:
@@ -1043,6 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in start_warnings(cfg):
         print(line, file=sys.stderr)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    from grpo_dist.config_compose import provenance_lines  # as YAML comments: stdout stays the resolved YAML
+    print("# where each value came from:")
+    print("\n".join(f"# {line}" for line in provenance_lines(cfg.to_dict(), where)))
     return 0
 
 
