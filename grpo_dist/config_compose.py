@@ -149,8 +149,17 @@ def provenance_lines(resolved: dict, where: dict[str, str], prefix: str = "") ->
         if isinstance(v, dict) and not _leaf_mapping(key):  # a section: its keys one by one
             out += provenance_lines(v, where, key + ".")
             continue
-        out.append(f"{key} = {clip(repr(v), 60)}  <- {source_of(where, key) or 'default'}")
+        out.append(f"{key} = {clip(repr(v), 60)}  <- {_value_source(where, key)}")
     return out
+
+
+def _value_source(where: dict[str, str], key: str) -> str:
+    """The key's own source; a section written in a file does not make its unwritten keys the file's (they are the
+    defaults), but a whole section given on the command line does."""
+    if key in where:
+        return where[key]
+    enclosing = source_of(where, key)
+    return enclosing if enclosing == COMMAND_LINE else "default"
 
 
 def _leaf_mapping(key: str) -> bool:

@@ -125,6 +125,7 @@ def test_check_shows_where_each_value_came_from(tmp_path, capsys):
     assert where["max_steps"] == "9  <- command line"              # over the default's 7
     assert where["learning_rate"] == "0.0003  <- command line"
     assert where["epsilon"] == "0.2  <- default"
+    assert where["data.eval_limit"] == "64  <- default"            # in a section the files write, not written
     assert yaml.safe_load(out)["max_steps"] == 9  # stdout is still the resolved YAML (the lines are comments)
 
 
