@@ -1,6 +1,6 @@
 """load_examples: the train or eval split a data config names (data.path, a preset's file or Hub dataset, or the
-built-in arithmetic set) as a list of PromptExample; data_config_problems: what is wrong with a data config before
-any file is read."""
+built-in arithmetic set) as a list of PromptExample; data_config_problems (from the config section,
+grpo_dist/config_sections/data.py): what is wrong with a data config before any file is read."""
 
 from __future__ import annotations
 
