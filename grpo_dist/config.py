@@ -1025,7 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
-        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value | --key value ...]]", file=sys.stderr)
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [+exp=NAME ...] [key=value | --key value ...]]",
+              file=sys.stderr)
         return 2
     path = None if args[1] == "none" else args[1]
     try:
