@@ -15,63 +15,15 @@ import math
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
 
-
-# The longest a problem may print (the longest real one, an unknown top-level key with the allowed keys, is ~900
-# characters): a hostile value (a 72 MB YAML alias expansion, a 10 MB override) never reaches the console whole.
-MAX_PROBLEM_CHARS = 2000
-
-
-def clip(text: Any, limit: int = 80) -> str:
-    """str(text), cut to `limit` characters with a count of the rest: for values and keys shown in messages."""
-    text = str(text)
-    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """repr(value), cut like clip(): every value a message shows goes through this."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit str limit
-        text = f"<{type(value).__name__} too large to print>"
-    return clip(text, limit)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, always naming the key (and file) at fault. `problems` lists every problem found
-    (the message shows the first and counts the rest; `python -m grpo_dist.config --check` prints them all).
-    Every problem is one line of at most MAX_PROBLEM_CHARS characters."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        message = _one_bounded_line(message)
-        super().__init__(message)
-        self.problems = [_one_bounded_line(p) for p in problems] if problems else [message]
-
-
-def _one_bounded_line(text: str) -> str:
-    return clip(" ".join(str(text).split()) if "\n" in str(text) else text, MAX_PROBLEM_CHARS)
-
-
-def _raise_all(problems: list[str], where: str = "") -> None:
-    """Raise one ConfigError carrying every problem, if there are any."""
-    if not problems:
-        return
-    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-    raise ConfigError(f"{where}{problems[0]}{more}", problems)
-
-
-def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    meta: dict[str, Any] = {"help": help}
-    if choices:
-        meta["choices"] = choices
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+from grpo_dist.config_sections.base import (MAX_PROBLEM_CHARS, ConfigError, _f, _one_bounded_line,  # noqa: F401
+                                         _raise_all, clip, short)
+from grpo_dist.config_sections.data import DataConfig, data_config_problems
 
 
 # k1 = logp - ref as a loss term: its expected gradient is E_pi[grad log pi] = 0 (the score function has mean 0),
@@ -120,28 +72,6 @@ class ModelConfig:
     attn_implementation: Optional[str] = _f(None, "sdpa | eager | flash_attention_2 (None: transformers' default)")
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
     init_seed: int = _f(0, "seed of the random init for `tiny` models (same on every rank)")
-
-
-@dataclass
-class DataConfig:
-    preset: Optional[str] = _f("arithmetic", "gsm8k | math500 | math | arithmetic (built in) | None: fills path, "
-                               "fields and answer format",
-                               ("gsm8k", "math500", "math", "arithmetic"))
-    path: Optional[str] = _f(None, "training prompts: .jsonl, .json or .parquet file, or hf:NAME[:SPLIT]")
-    prompt_field: str = _f("question", "field holding the problem text")
-    answer_field: str = _f("answer", "field holding the reference answer")
-    answer_format: str = _f("raw", "how to read the reference: raw | gsm8k ('#### n') | boxed (last \\boxed{})",
-                            ("raw", "gsm8k", "boxed"))
-    prompt_template: str = _f("{prompt}", "template with {prompt}; used when use_chat_template is false")
-    use_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
-    system_prompt: Optional[str] = _f(None, "system message for the chat template")
-    max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left")
-    limit: Optional[int] = _f(None, "use only the first N rows (after loading, before shuffling)")
-    eval_path: Optional[str] = _f(None, "held-out prompts for periodic evaluation (same fields)")
-    eval_limit: Optional[int] = _f(64, "the light evaluation tier: the first N held-out prompts, evaluated every "
-                                   "eval_steps (null: all of them; full_eval_steps is the tier of the whole set)")
-    arithmetic: dict = _f(factory=dict, help="options of the built-in arithmetic set: {num_examples, max_operand, "
-                          "num_operands, ops, seed}")
 
 
 @dataclass
@@ -469,7 +399,6 @@ class GRPOConfig:
                 bad.append(f"config key 'report_to' has {short(s)}; allowed: jsonl, tensorboard, wandb")
         if self.data.preset is None and self.data.path is None:
             bad.append("config key 'data.path' (or 'data.preset') must be set")
-        from grpo_dist.data import data_config_problems  # grpo_dist.data imports this module: import when used
         bad += data_config_problems(self.data)
         if self.model.name_or_path is None and self.model.tiny is not None:  # the tiny model is built
             bad += tiny_problems(self.model.tiny)
@@ -978,10 +907,14 @@ def _is_text_key(parts: list[str]) -> bool:
     return _key_type(parts) is str
 
 
-def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None) -> str:
+def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | None = None,
+           sources: dict[str, str] | None = None) -> str:
     """Prefix an error with where the bad key came from: the command line, or the YAML file and the key's line
-    (`lines`: dotted key -> line, from yaml_key_lines)."""
+    (`lines`: dotted key -> line in `path`, from yaml_key_lines; or `sources`: dotted key -> "FILE:LINE", from
+    config_compose, where the key may be written in a defaults or +exp file)."""
     import re
+
+    from grpo_dist.config_compose import source_of
     if message.startswith("override "):  # a malformed override names itself
         return message
     # "config key 'a' ...", or "config keys 'a' + 'b' ..." (any of them given on the command line)
@@ -991,6 +924,9 @@ def _blame(message: str, path, overrides: list[str], lines: dict[str, int] | Non
         top = re.split(r"[.\[]", key)[0]
         if any(key == g or key.startswith(g + ".") or key.startswith(g + "[") or g == top for g in given):
             return f"command line: {message}"
+        source = source_of(sources, key) if sources is not None else None
+        if source:
+            return f"{source}: {message}"
         line = key_line(lines or {}, key)
         if path and line:
             return f"{path}:{line}: {message}"
@@ -1032,33 +968,26 @@ def key_line(lines: dict[str, int], key: str) -> int | None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> GRPOConfig:
-    """Load YAML (optional; or start from `base`, e.g. a run's saved config), apply dotted overrides, build and
-    validate the typed config."""
-    d: dict = dict(base or {})
-    lines: dict[str, int] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: cannot be read as UTF-8 text: {e}") from None
-        d = load_yaml(text, str(p)) or {}  # bounded (depth, alias expansion) before anything else reads it
-        lines = yaml_key_lines(text)
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of config keys")
+                base: dict | None = None, where: dict[str, str] | None = None) -> GRPOConfig:
+    """Load YAML (optional; or start from `base`, e.g. a run's saved config) with its `defaults` chain, merge the
+    `+exp=NAME` files, apply dotted overrides, build and validate the typed config (config_compose). `where`, when
+    given, is filled with each dotted key's source ("FILE:LINE" or "command line")."""
+    from grpo_dist.config_compose import compose, note_overrides, split_exp
+    exps, overrides = split_exp(overrides or [])
+    d, sources = compose(path, exps, base)
     bad = []
     try:
-        d = apply_overrides(d, overrides or [])
+        d = apply_overrides(d, overrides)
     except ConfigError as e:  # the well-formed overrides are applied: check the rest of the config too
         bad += e.problems
+    note_overrides(sources, overrides)
+    if where is not None:
+        where.update(sources)
     try:
         cfg = _from_dict(GRPOConfig, d)
     except ConfigError as e:
         bad += e.problems
-    _raise_all([_blame(b, path, overrides or [], lines) for b in bad])  # each names the command line or file:line
+    _raise_all([_blame(b, path, overrides, sources=sources) for b in bad])  # each names its file:line or the CLI
     return cfg
 
 
@@ -1078,31 +1007,33 @@ def describe(cls=GRPOConfig, prefix: str = "") -> list[str]:
     return lines
 
 
-def _check_data_files(cfg: GRPOConfig, path, overrides: list[str]) -> None:
+def _check_data_files(cfg: GRPOConfig, path, overrides: list[str], where: dict[str, str] | None = None) -> None:
     """--check: the data files the config names exist and their first row has the configured fields (no model,
     no dataset download); each problem names the file and line of the key, or the command line."""
     from grpo_dist.data.check import data_file_problems
-    lines = yaml_key_lines(Path(path).read_text()) if path else {}
-    _raise_all([_blame(b, path, overrides, lines) for b in data_file_problems(cfg.data)])
+    _raise_all([_blame(b, path, overrides, sources=where or {}) for b in data_file_problems(cfg.data)])
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo_dist.config`: every key with its default and help.
     `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
-    as YAML (exit 0), or every problem, one per line (exit 2). CONFIG may be `none` to check overrides on the
-    defaults."""
+    as YAML followed by `# key = value  <- source` comment lines saying where each value came from (FILE:LINE of
+    the config, a defaults file or a +exp file; command line; default), exit 0; or every problem, one per line
+    (exit 2). CONFIG may be `none` to check overrides on the defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("\n".join(describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
-        print("usage: python -m grpo_dist.config [--check CONFIG|none [key=value | --key value ...]]", file=sys.stderr)
+        print("usage: python -m grpo_dist.config [--check CONFIG|none [+exp=NAME ...] [key=value | --key value ...]]",
+              file=sys.stderr)
         return 2
     path = None if args[1] == "none" else args[1]
     try:
         overrides = expand_flags(args[2:])
-        cfg = load_config(path, overrides)
-        _check_data_files(cfg, path, overrides)
+        where: dict[str, str] = {}
+        cfg = load_config(path, overrides, where=where)
+        _check_data_files(cfg, path, overrides, where)
         from grpo_dist.preflight import check_context_length  # reads the model's config.json, as the trainer's start
         check_context_length(cfg)
     except ConfigError as e:
@@ -1114,6 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in start_warnings(cfg):
         print(line, file=sys.stderr)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    from grpo_dist.config_compose import provenance_lines  # as YAML comments: stdout stays the resolved YAML
+    print("# where each value came from:")
+    print("\n".join(f"# {line}" for line in provenance_lines(cfg.to_dict(), where)))
     return 0
 
 

@@ -86,3 +86,24 @@ def test_readme_lists_every_config():
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in CONFIGS if f"`{p.name}`" not in readme]
     assert not missing, f"README's configs table lacks {missing}"
+
+
+EXPS = sorted((ROOT / "configs" / "exp").glob("*.yaml"))
+
+
+def test_experiment_overrides_exist():
+    assert len(EXPS) >= 2, "configs/exp/ holds the shipped +exp=NAME overrides"
+
+
+@pytest.mark.parametrize("exp", EXPS, ids=lambda p: p.stem)
+def test_experiment_override_applies_to_every_config(exp: Path):
+    """Each configs/exp/NAME.yaml has a header with its command, sets only known keys, and validates on top of
+    every shipped config (the values it names are the ones the run gets)."""
+    header = [line for line in exp.read_text().splitlines() if line.startswith("#")]
+    assert any(f"+exp={exp.stem}" in h for h in header), f"{exp.name}: the header should show +exp={exp.stem}"
+    import yaml
+    values = yaml.safe_load(exp.read_text())
+    assert values and "defaults" not in values
+    for path in CONFIGS:
+        cfg = load_config(path, [f"+exp={exp.stem}"])
+        assert {k: getattr(cfg, k) for k in values} == values, f"{exp.name} on {path.name}"

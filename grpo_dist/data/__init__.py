@@ -1,7 +1,8 @@
 """Prompt data, one job per module:
 
 * :mod:`~grpo_dist.data.loading`: ``load_examples``, the train / eval split a data config names, and
-  ``data_config_problems``, the config's problems found without reading a file (GRPOConfig.problems() calls it);
+  ``data_config_problems`` (defined with DataConfig in grpo_dist/config_sections/data.py), the config's problems
+  found without reading a file;
 * :mod:`~grpo_dist.data.presets`: the presets (gsm8k, math500, math, arithmetic), their Hub datasets and offline
   mirror ($GRPO_DIST_DATA_DIR), ``resolve_data_config``;
 * :mod:`~grpo_dist.data.files`: reading .jsonl / .json / .parquet / hf: rows, ``extract_reference``;

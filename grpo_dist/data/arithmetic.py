@@ -3,15 +3,13 @@ disjoint train and held-out splits, no file and no download; options_problems ch
 
 from __future__ import annotations
 
-import inspect
 import random
 from typing import Optional
 
-from grpo_dist.config import DataConfig
+from grpo_dist.config_sections.data import (_SMALL_SPACE, DataConfig, _argument_problems, _size_problem, _space,
+                                         options_problems)  # noqa: F401  (the options' checks live with DataConfig)
 from grpo_dist.data.examples import DataError, PromptExample
 
-_ARITH_KEYS = ("num_examples", "max_operand", "num_operands", "ops", "seed")
-_SMALL_SPACE = 200_000      # spaces up to this size are enumerated and split exactly
 _EVAL_FRACTION = 0.2
 
 
@@ -40,51 +38,6 @@ def _arith_value(operands: list[int], operators: list[str]) -> int:
             terms.append(x)
             signs.append(1 if op == "+" else -1)
     return sum(s * t for s, t in zip(signs, terms))
-
-
-def options_problems(opts) -> list[str]:
-    """Every problem of the data.arithmetic options (keys and values of synthetic_arithmetic's arguments)."""
-    if not isinstance(opts, dict):
-        return [f"config key 'data.arithmetic' must be a mapping of {', '.join(_ARITH_KEYS)}"]
-    unknown = [f"unknown config key 'data.arithmetic.{k}'; allowed: {', '.join(_ARITH_KEYS)}"
-               for k in opts if k not in _ARITH_KEYS]
-    if unknown:
-        return unknown
-    defaults = inspect.signature(synthetic_arithmetic).parameters
-    args = {k: opts.get(k, defaults[k].default) for k in _ARITH_KEYS}
-    bad = _argument_problems(**args)
-    if bad:
-        return bad
-    space = _space(args["max_operand"], args["num_operands"], args["ops"])
-    size = _size_problem(args["num_examples"], args["num_examples"], space)  # the train split draws the most
-    return [size] if size else []
-
-
-def _argument_problems(num_examples, max_operand, num_operands, ops, seed) -> list[str]:
-    bad = []
-    for key, v, lo in (("num_examples", num_examples, 1), ("max_operand", max_operand, 1),
-                       ("num_operands", num_operands, 2)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            bad.append(f"config key 'data.arithmetic.{key}' must be an integer >= {lo}, got {v!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        bad.append(f"config key 'data.arithmetic.seed' must be an integer, got {seed!r}")
-    if not isinstance(ops, str) or not ops or set(ops) - set("+-*"):
-        bad.append(f"config key 'data.arithmetic.ops' must be a non-empty string of operators from '+-*', got "
-                   f"{ops!r}")
-    return bad
-
-
-def _space(max_operand: int, num_operands: int, ops: str) -> int:
-    """How many distinct problems the options can make."""
-    return (max_operand + 1) ** num_operands * len(set(ops)) ** (num_operands - 1)
-
-
-def _size_problem(want: int, num_examples: int, space: int) -> Optional[str]:
-    """Large spaces are sampled with a held-out part: at most half of the problems can be drawn for one split."""
-    if space <= _SMALL_SPACE or want <= space // 2:
-        return None
-    return (f"config key 'data.arithmetic.num_examples' = {num_examples} is too large for a space of {space} "
-            f"problems with a held-out part; use at most {space // 2}")
 
 
 def synthetic_arithmetic(num_examples: int = 10000, max_operand: int = 19, num_operands: int = 2, ops: str = "+",

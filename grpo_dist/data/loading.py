@@ -1,28 +1,16 @@
 """load_examples: the train or eval split a data config names (data.path, a preset's file or Hub dataset, or the
-built-in arithmetic set) as a list of PromptExample; data_config_problems: what is wrong with a data config before
-any file is read."""
+built-in arithmetic set) as a list of PromptExample; data_config_problems (from the config section,
+grpo_dist/config_sections/data.py): what is wrong with a data config before any file is read."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from grpo_dist.config import DataConfig
-from grpo_dist.data.arithmetic import arithmetic_from_config, options_problems
+from grpo_dist.config_sections.data import DataConfig, data_config_problems
+from grpo_dist.data.arithmetic import arithmetic_from_config
 from grpo_dist.data.examples import DataError, PromptExample
 from grpo_dist.data.files import load_file
 from grpo_dist.data.presets import MATH500_EVAL_FIELDS, PRESETS, preset_source, resolve_data_config
-from grpo_dist.data.prompts import template_problems
-
-
-def data_config_problems(cfg: DataConfig) -> list[str]:
-    """Every problem of a data config found without reading a file. GRPOConfig.problems() reports them with the rest
-    of the config; load_examples refuses a config that has any (the first is its DataError)."""
-    bad = []
-    if cfg.limit is not None and cfg.limit < 1:
-        bad.append(f"config key 'data.limit' must be >= 1 (or null), got {cfg.limit}")
-    if cfg.preset == "arithmetic" and cfg.path is None:  # the built-in set is used: its options count
-        bad += options_problems(cfg.arithmetic or {})
-    return bad + template_problems(cfg.prompt_template)
 
 
 def load_examples(cfg: DataConfig, split: str = "train") -> list[PromptExample]:

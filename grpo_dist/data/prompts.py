@@ -11,15 +11,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from grpo_dist.config import DataConfig, short
+from grpo_dist.config_sections.base import short
+from grpo_dist.config_sections.data import DataConfig, template_problems
 from grpo_dist.data.examples import DataError, PromptExample
-
-
-def template_problems(template) -> list[str]:
-    """The problem of a data.prompt_template without its one placeholder, '{prompt}' (none when it has it)."""
-    if not isinstance(template, str) or "{prompt}" not in template:
-        return [f"config key 'data.prompt_template' must contain '{{prompt}}', got {short(template)}"]
-    return []
 
 
 @dataclass(frozen=True)

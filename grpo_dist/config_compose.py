@@ -1,0 +1,171 @@
+"""Composable configs: a YAML file may name `defaults: [base.yaml, ...]` (paths relative to the file), and the
+command line may name `+exp=NAME` experiment files (configs/exp/NAME.yaml). One dict comes out, merged in this
+order, each layer deep-merging its nested sections over the ones before:
+
+    defaults (in order, each with its own defaults first) -> the file itself -> +exp files (in order) -> key=value
+
+with, for every dotted key, where its value came from ("FILE:LINE" or "command line"): load_config names a bad key
+by it, and `python -m grpo_dist.config --check` prints it. The config a run saves (output_dir/config.yaml and
+trainer_state.json) is the merged result without `defaults`: resume and evaluate read that, never the chain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grpo_dist.config_sections.base import ConfigError, clip
+
+DEFAULTS_KEY = "defaults"
+EXP_PREFIX = "+exp="
+COMMAND_LINE = "command line"
+# The shipped experiment overrides; `+exp=NAME` also looks in exp/ next to the config file and in ./configs/exp/
+SHIPPED_EXP_DIR = Path(__file__).resolve().parent.parent / "configs" / "exp"
+
+
+def split_exp(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(+exp names in order, the other overrides)."""
+    exps = [o[len(EXP_PREFIX):].strip() for o in overrides if o.startswith(EXP_PREFIX)]
+    return exps, [o for o in overrides if not o.startswith(EXP_PREFIX)]
+
+
+def exp_path(name: str, config_path: Path | None) -> Path:
+    """The file of `+exp=NAME`: a path to a .yaml file as given, else NAME.yaml in exp/ next to the config file,
+    ./configs/exp/ or the shipped configs/exp/ (the first that exists)."""
+    if name.endswith((".yaml", ".yml")) and Path(name).is_file():
+        return Path(name)
+    dirs = ([config_path.parent / "exp"] if config_path is not None else []) + [Path("configs") / "exp",
+                                                                                 SHIPPED_EXP_DIR]
+    for d in dirs:
+        f = d / f"{name}.yaml"
+        if f.is_file():
+            return f
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    raise ConfigError(f"command line: +exp={clip(name)}: no such experiment file (looked in "
+                      f"{', '.join(str(d) for d in dirs)}); known: {', '.join(known) or 'none'}")
+
+
+def deep_merge(into: dict, layer: dict, where: dict[str, str], layer_where: dict[str, str], prefix: str = "") -> None:
+    """Merge `layer` over `into` in place: mappings merge key by key (recursively), anything else (scalars, lists)
+    replaces. `where` (dotted key -> source) follows: a replaced key forgets its old sub-keys' sources."""
+    for k, v in layer.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            if key in layer_where:
+                where[key] = layer_where[key]
+            deep_merge(into[k], v, where, layer_where, key + ".")
+            continue
+        for old in [w for w in where if w.startswith(key + ".") or w.startswith(key + "[")]:
+            del where[old]
+        into[k] = _copy(v)
+        where.update({w: s for w, s in layer_where.items() if w == key or w.startswith(key + ".")
+                      or w.startswith(key + "[")})
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_copy(x) for x in v]
+    return v
+
+
+def compose_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict[str, str]]:
+    """A config file with its defaults chain merged under it: (dict without `defaults`, dotted key -> "FILE:LINE").
+    A file met again inside its own chain is a cycle, refused with one line naming the files."""
+    from grpo_dist.config import load_yaml, yaml_key_lines  # the YAML bounds and key lines of one file
+    real = path.resolve()
+    if real in chain:
+        names = [str(p) for p in chain[chain.index(real):]] + [str(real)]
+        raise ConfigError(f"{path}: config defaults form a cycle: {' -> '.join(names)}")
+    if not path.is_file():
+        named_by = f"{chain[-1]}: config key 'defaults' names " if chain else ""
+        raise ConfigError(f"{named_by}config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as UTF-8 text: {e}") from None
+    d = load_yaml(text, str(path)) or {}  # bounded (depth, alias expansion) before anything else reads it
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of config keys")
+    lines = yaml_key_lines(text)
+    own_where = {k: f"{path}:{n}" for k, n in lines.items()
+                 if k != DEFAULTS_KEY and not k.startswith(DEFAULTS_KEY + "[")}
+    defaults = d.pop(DEFAULTS_KEY, None) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(x, str) for x in defaults):
+        raise ConfigError(f"{path}:{lines.get(DEFAULTS_KEY)}: config key 'defaults' must be a list of YAML file "
+                          f"paths (relative to this file), got {clip(repr(defaults))}")
+    merged: dict = {}
+    where: dict[str, str] = {}
+    for name in defaults:
+        base, base_where = compose_file(path.parent / name, chain + (real,))
+        deep_merge(merged, base, where, base_where)
+    deep_merge(merged, d, where, own_where)
+    return merged, where
+
+
+def compose(path: str | Path | None, exps: list[str], base: dict | None = None) -> tuple[dict, dict[str, str]]:
+    """The config dict of `path` (its defaults chain merged under it; or `base` when there is no file), with the
+    +exp files merged over it in order, and the source of every key written in a file."""
+    p = Path(path) if path is not None else None
+    if p is not None:
+        d, where = compose_file(p)
+    else:
+        d, where = _copy(dict(base or {})), {}
+    for name in exps:
+        layer, layer_where = compose_file(exp_path(name, p))
+        deep_merge(d, layer, where, layer_where)
+    return d, where
+
+
+def note_overrides(where: dict[str, str], overrides: list[str]) -> None:
+    """key=value overrides come last: their keys (and what is under them) came from the command line."""
+    for o in overrides:
+        if "=" not in o:
+            continue
+        key = o.split("=", 1)[0].strip()
+        for old in [w for w in where if w.startswith(key + ".") or w.startswith(key + "[")]:
+            del where[old]
+        where[key] = COMMAND_LINE
+
+
+def source_of(where: dict[str, str], key: str) -> str | None:
+    """The source of `key`, else of its nearest enclosing key that has one."""
+    while key:
+        if key in where:
+            return where[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
+
+
+def provenance_lines(resolved: dict, where: dict[str, str], prefix: str = "") -> list[str]:
+    """One line per leaf value of the resolved config: `key = value  <- FILE:LINE | command line | default`."""
+    out = []
+    for k, v in resolved.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and not _leaf_mapping(key):  # a section: its keys one by one
+            out += provenance_lines(v, where, key + ".")
+            continue
+        out.append(f"{key} = {clip(repr(v), 60)}  <- {_value_source(where, key)}")
+    return out
+
+
+def _value_source(where: dict[str, str], key: str) -> str:
+    """The key's own source; a section written in a file does not make its unwritten keys the file's (they are the
+    defaults), but a whole section given on the command line does."""
+    if key in where:
+        return where[key]
+    enclosing = source_of(where, key)
+    return enclosing if enclosing == COMMAND_LINE else "default"
+
+
+def _leaf_mapping(key: str) -> bool:
+    """dict-valued keys that are values (model.tiny, data.arithmetic, ...), not sections: shown as one line."""
+    import dataclasses
+
+    from grpo_dist.config import _key_type
+    tp = _key_type(key.split("."))
+    return not (isinstance(tp, type) and dataclasses.is_dataclass(tp))
