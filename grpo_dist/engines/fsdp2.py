@@ -200,19 +200,18 @@ class FSDP2Engine(TorchEngine):
     def gather_full_state(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         # full_state_dict + cpu_offload: gathered tensor by tensor into rank 0's host memory, nothing elsewhere
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with self._optimizer_kept_unstarted() as unstarted:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
+                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.ctx.is_main:
             return None, None
+        if unstarted:
+            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         # Rank 0 holds the dicts; the others receive their shards by broadcast, one tensor at a time.
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
-        from grpo_dist.distributed import broadcast_object
-        if broadcast_object(optim_state is not None):  # every rank takes part, or none
-            set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
-                                     options=opts)
+        self._load_optimizer_from_rank0(optim_state, opts)
