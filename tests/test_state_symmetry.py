@@ -49,3 +49,55 @@ def test_state_taken_before_the_first_step_changes_nothing(backend, tmp_path):
     assert plain[1]["state"] and all(int(s["step"]) == 2 * STEPS for s in plain[1]["state"].values())
     for name, state in got.items():
         tensors_equal(plain, state, f"{backend} {name}")
+
+
+# ------------------------------------------------------------------ loading an optimizer state: the same calls
+def _load_without_optimizer(rank, world, out):
+    """FSDP1: rank 0 loads weights and no optimizer state (optim_state None): every rank must skip the optimizer
+    load alike (it used to be rank 0 alone, the others waiting in its broadcast until the timeout)."""
+    tr = resume_trainer(["distributed.backend=fsdp", f"output_dir={out}", "distributed.timeout_s=20"])
+    tr.train_step()
+    sd, _ = tr.engine.gather_full_state()
+    before = copy.deepcopy(tr.engine.optimizer.state_dict())
+    tr.engine.load_full_state(sd, None)
+    tensors_equal(before, tr.engine.optimizer.state_dict(), f"rank {rank} optimizer")
+    tr.train_step()  # and the ranks still agree on their collectives
+    return tr.step
+
+
+def test_fsdp1_load_without_optimizer_state_runs_the_same_calls_on_every_rank(tmp_path):
+    assert run_ranks(_load_without_optimizer, 2, tmp_path, str(tmp_path / "out"), timeout=120) == [2, 2]
+
+
+def _absent_entries(rank, world, out, extra):
+    """1 step, a full checkpoint, 1 more step; a fresh trainer resumes from the checkpoint and takes that step.
+    Returns the names this rank's optimizer holds state for, and rank 0's two final states."""
+    base = ["distributed.backend=fsdp", "max_steps=2"] + extra
+    tr = resume_trainer(base + [f"output_dir={out}/a"])
+    tr.train_step()
+    ckpt = tr.save()
+    names = {id(p): n for n, p in tr.engine.module.named_parameters()}
+    held = sorted(names[id(p)] for p in tr.engine.optimizer.state)
+    straight = _final_after(tr, 1)
+    tr = resume_trainer(base + [f"output_dir={out}/b", f"resume_from_checkpoint={ckpt}"])
+    return held, straight, _final_after(tr, 1)
+
+
+def _final_after(tr, steps):
+    for _ in range(steps):
+        tr.train_step()
+    sd, optim = tr.engine.gather_full_state()
+    return copy.deepcopy((sd, optim)) if tr.ctx.is_main else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj, v_proj]"]],
+                         ids=["full", "lora"])
+def test_fsdp1_resume_with_optimizer_entries_absent_on_a_rank(extra, tmp_path):
+    (held0, straight, resumed), (held1, _, _) = run_ranks(_absent_entries, 2, tmp_path, str(tmp_path / "o"), extra)
+    assert held0 and held1
+    if extra:  # frozen base weights: no optimizer entries at all (each adapter is a unit of its own, split in two)
+        assert all(".lora_" in n for n in held0 + held1)
+    else:  # one unit's flat parameter split in two: a parameter wholly in one rank's half has no state on the other
+        assert set(held0) != set(held1), (held0, held1)
+    tensors_equal(straight, resumed, "resumed")
