@@ -45,6 +45,16 @@ def _refuse_full_precision_no_shard_lora(cfg, world_size: int) -> None:
                           f"use FULL_SHARD or SHARD_GRAD_OP")
 
 
+def wrap_frozen_reference(engine: TorchEngine, model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model as FSDP1 and FSDP2 shard it: frozen, in eval mode, wrapped like the policy. It never
+    trains: fp32 shards would only cost memory. Parameters take the compute dtype (the same rounding as the mixed
+    precision cast of the policy, so the KL starts at exactly 0); buffers stay as the policy's do."""
+    model.requires_grad_(False)
+    model.eval()
+    cast_parameters_(model, MIXED_PRECISION_DTYPES.get(engine.cfg.distributed.mixed_precision))
+    return engine._wrap(model, trainable=False)
+
+
 class FSDPEngine(TorchEngine):
     """Policy and reference as FSDP units (use_orig_params); full weights and state are gathered unit by unit."""
 
@@ -104,12 +114,7 @@ class FSDPEngine(TorchEngine):
         return adapter if layers is None else functools.partial(_or_policy, policies=[adapter, layers])
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        model.requires_grad_(False)
-        model.eval()
-        # It never trains: fp32 shards would only cost memory. Parameters take the compute dtype (the same rounding
-        # as MixedPrecision's cast of the policy, so the KL starts at exactly 0); buffers stay as the policy's do.
-        cast_parameters_(model, MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision))
-        return self._wrap(model, trainable=False)
+        return wrap_frozen_reference(self, model)
 
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:

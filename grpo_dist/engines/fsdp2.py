@@ -25,9 +25,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from grpo_dist.engines import checkpoint_layers, clean_name
-from grpo_dist.engines.fsdp import wrap_units
+from grpo_dist.engines.fsdp import wrap_frozen_reference, wrap_units
 from grpo_dist.engines.torch_engine import TorchEngine
-from grpo_dist.models import MIXED_PRECISION_DTYPES, cast_parameters_, load_on_rank0_only
+from grpo_dist.models import MIXED_PRECISION_DTYPES, load_on_rank0_only
 
 # distributed.sharding_strategy -> fully_shard's reshard_after_forward (config.py refuses the others for fsdp2)
 RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
@@ -105,12 +105,7 @@ class FSDP2Engine(TorchEngine):
             shard.copy_(t)
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        model.requires_grad_(False)
-        model.eval()
-        # It never trains: fp32 shards would only cost memory. Parameters take the compute dtype (the rounding of
-        # the policy's MixedPrecisionPolicy cast, so the KL starts at exactly 0); buffers stay as the policy's do.
-        cast_parameters_(model, MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision))
-        return self._wrap(model, trainable=False)
+        return wrap_frozen_reference(self, model)
 
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:
