@@ -101,3 +101,35 @@ def test_fsdp1_resume_with_optimizer_entries_absent_on_a_rank(extra, tmp_path):
     else:  # one unit's flat parameter split in two: a parameter wholly in one rank's half has no state on the other
         assert set(held0) != set(held1), (held0, held1)
     tensors_equal(straight, resumed, "resumed")
+
+
+# ------------------------------------------------------------- a checkpoint that only rank 0 sees (full format)
+def _rank0_sees(rank, world, out):
+    """LoRA (whose load gathers the base weights: a collective), full format, FSDP1: a checkpoint after 1 step is
+    loaded by fresh trainers, once with every rank given its path, once with rank 1 given an empty directory (its
+    node-local disk: a full checkpoint is read by rank 0 alone). Rank 0 returns both loaded states."""
+    import os
+
+    from grpo_dist import checkpoint as ckpt
+    base = ["distributed.backend=fsdp", "lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj, v_proj]",
+            "distributed.timeout_s=20"]
+    tr = resume_trainer(base + [f"output_dir={out}/a"])
+    tr.train_step()
+    saved = tr.save()
+    elsewhere = f"{out}/empty"
+    os.makedirs(elsewhere, exist_ok=True)
+    got = []
+    for path in (saved, saved if rank == 0 else elsewhere):
+        tr = resume_trainer(base + [f"output_dir={out}/b"])
+        state = ckpt.load_checkpoint(path, tr.engine, tr.ctx, tied=tr.tied_weights)
+        assert state["step"] == 1
+        sd, optim = tr.engine.gather_full_state()
+        got.append(copy.deepcopy((sd, optim)) if rank == 0 else None)
+    return got
+
+
+@pytest.mark.slow
+def test_full_checkpoint_seen_by_rank0_alone_loads_the_same(tmp_path):
+    both, rank0_only = run_ranks(_rank0_sees, 2, tmp_path, str(tmp_path / "o"), timeout=180)[0]
+    assert both[1]["state"]
+    tensors_equal(both, rank0_only, "rank 0 alone")
