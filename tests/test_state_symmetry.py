@@ -107,7 +107,8 @@ def test_fsdp1_resume_with_optimizer_entries_absent_on_a_rank(extra, tmp_path):
 def _rank0_sees(rank, world, out):
     """LoRA (whose load gathers the base weights: a collective), full format, FSDP1: a checkpoint after 1 step is
     loaded by fresh trainers, once with every rank given its path, once with rank 1 given an empty directory (its
-    node-local disk: a full checkpoint is read by rank 0 alone). Rank 0 returns both loaded states."""
+    node-local disk: a full checkpoint is read by rank 0 alone), then by a trainer's resume_from_checkpoint where rank
+    1 cannot read trainer_state.json. Rank 0 returns the three loaded states."""
     import os
 
     from grpo_dist import checkpoint as ckpt
@@ -125,11 +126,21 @@ def _rank0_sees(rank, world, out):
         assert state["step"] == 1
         sd, optim = tr.engine.gather_full_state()
         got.append(copy.deepcopy((sd, optim)) if rank == 0 else None)
+    # the trainer's resume: rank 1 cannot read the trainer state (stands in for a directory it does not see)
+    if rank == 1:
+        def unreadable(path):
+            raise FileNotFoundError(f"{path}/trainer_state.json")
+        ckpt.read_trainer_state = unreadable
+    tr = resume_trainer(base + [f"output_dir={out}/c", f"resume_from_checkpoint={saved}"])
+    assert tr.step == 1
+    sd, optim = tr.engine.gather_full_state()
+    got.append(copy.deepcopy((sd, optim)) if rank == 0 else None)
     return got
 
 
 @pytest.mark.slow
 def test_full_checkpoint_seen_by_rank0_alone_loads_the_same(tmp_path):
-    both, rank0_only = run_ranks(_rank0_sees, 2, tmp_path, str(tmp_path / "o"), timeout=180)[0]
+    both, rank0_only, trainer = run_ranks(_rank0_sees, 2, tmp_path, str(tmp_path / "o"), timeout=180)[0]
     assert both[1]["state"]
     tensors_equal(both, rank0_only, "rank 0 alone")
+    tensors_equal(both, trainer, "resume_from_checkpoint, rank 0 alone reads")
