@@ -174,9 +174,13 @@ class FSDPEngine(TorchEngine):
                                   FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
                                   FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
             model_sd = self.module.state_dict()
-            optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
+            # torch 2.13's FSDP.optim_state_dict leaves an empty state empty; guarded as DCP's calls are
+            with self._optimizer_kept_unstarted() as unstarted:
+                optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
         if not self.ctx.is_main:
             return None, None
+        if unstarted:
+            optim_sd["state"] = {}
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
