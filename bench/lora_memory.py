@@ -21,18 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_common import print_rank_results, run_worker  # noqa: E402
 from bench_common import status_mib as _status_mib  # noqa: E402
 
 
 def worker(args):
     import torch
-    import torch.distributed as dist
 
     from bench_common import tiny_override
     from grpo_dist import distributed as gdist
@@ -82,25 +81,14 @@ def worker(args):
                reference_mib=round(nbytes(list(ref.parameters())) if ref is not None else 0.0, 1))
     if ctx.device.type == "cuda":
         out["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    res = [out]
-    if ctx.world_size > 1:
-        res = [None] * ctx.world_size
-        dist.all_gather_object(res, out)
-    if ctx.is_main:
-        print(json.dumps(res), flush=True)
+    print_rank_results(out, ctx)
     del trainer, eng
     gdist.cleanup()
 
 
 def run(args, lora_r):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world),
-           "--master_port", str(29300 + os.getpid() % 300 + lora_r), __file__, "--worker", "--lora-r", str(lora_r),
-           "--beta", str(args.beta)] + (["--model", args.model] if args.model else [])
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode:
-        sys.stderr.write(p.stdout[-2000:] + p.stderr[-5000:])
-        raise SystemExit("worker failed")
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("[")][-1])
+    return run_worker(__file__, args.world, ["--lora-r", str(lora_r), "--beta", str(args.beta)]
+                      + (["--model", args.model] if args.model else []), 29300 + os.getpid() % 300 + lora_r)
 
 
 def main():

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from bench_common import print_rank_results, run_worker  # noqa: E402
 from bench_common import status_mib as _status_mib  # noqa: E402
 
 
@@ -43,7 +43,6 @@ def _cfg(model_dir, extra=()):
 
 def worker(args):
     import torch
-    import torch.distributed as dist
 
     from grpo_dist import distributed as gdist
     torch.set_num_threads(1)
@@ -96,24 +95,12 @@ def worker(args):
         out["optimizer_mib"] = nbytes([v for s in eng.optimizer.state.values() for v in s.values()
                                        if torch.is_tensor(v)]) / 2**20
         out["total_mib"] = out["params_mib"] + out["grads_mib"] + out["optimizer_mib"]
-    res = [None] * ctx.world_size
-    if ctx.world_size > 1:
-        dist.all_gather_object(res, out)
-    else:
-        res = [out]
-    if ctx.is_main:
-        print(json.dumps(res), flush=True)
+    print_rank_results(out, ctx)
     gdist.cleanup()
 
 
 def run(world, extra, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-           "--master_port", str(29600 + os.getpid() % 300), __file__, "--worker"] + extra
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode:
-        sys.stderr.write(p.stdout[-2000:] + p.stderr[-5000:])
-        raise SystemExit("worker failed")
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("[")][-1])
+    return run_worker(__file__, world, extra, 29600 + os.getpid() % 300, env)
 
 
 def main():

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from bench_common import print_rank_results, run_worker  # noqa: E402
 
 
 def _overrides(model: str, optimizer: str) -> list[str]:
@@ -33,7 +33,6 @@ def _overrides(model: str, optimizer: str) -> list[str]:
 
 def worker(args):
     import torch
-    import torch.distributed as dist
 
     from grpo_dist import distributed as gdist
     from grpo_dist.config import load_config
@@ -47,26 +46,14 @@ def worker(args):
     params = sum(p.numel() for g in opt.param_groups for p in g["params"])
     eight = sum(p.numel() for p, st in opt.state.items() if st.get("state1", torch.empty(0)).dtype == torch.uint8)
     out = {"rank": ctx.rank, "params": params, "state_bytes": state_bytes(opt), "eight_bit_params": eight}
-    res = [None] * ctx.world_size
-    if ctx.world_size > 1:
-        dist.all_gather_object(res, out)
-    else:
-        res = [out]
-    if ctx.is_main:
-        print("RESULT " + json.dumps(res), flush=True)
+    print_rank_results(out, ctx)
     gdist.cleanup()
 
 
 def run(world: int, model: str, optimizer: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-           str(29650 + os.getpid() % 300), __file__, "--worker", "--model", model, "--optimizer", optimizer]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode:
-        sys.stderr.write(p.stdout[-2000:] + p.stderr[-5000:])
-        raise SystemExit("worker failed")
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    return run_worker(__file__, world, ["--model", model, "--optimizer", optimizer], 29650 + os.getpid() % 300, env)
 
 
 def main():

@@ -524,14 +524,31 @@ def prune_checkpoints(output_dir: Path, limit: int, keep: Path | None = None, ch
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _rank0_reads(ctx, read):
+    """Collective: read() on rank 0, its result (or its failure, raised as CheckpointError) on every rank."""
+    result, error = None, None
+    if ctx.is_main:
+        try:
+            result = read()
+        except (OSError, ValueError) as e:  # a missing or unreadable trainer_state.json (JSONDecodeError too)
+            error = f"{type(e).__name__}: {e}"
+    result, error = gdist.broadcast_object((result, error))
+    if error:
+        raise CheckpointError(f"reading the checkpoint failed on rank 0: {error}")
+    return result
+
+
 def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
     """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
     size is unchanged). Returns the trainer state, with `rng_restored` set. The entries a full-state file stores
     only once (tied embeddings) are named by `tied` ({name: [its other names]}, read from the unwrapped model), or
     found from hf_model, a plain copy of the model."""
     path = Path(path)
-    state = read_trainer_state(path)
-    if (path / SHARDED_DIR).is_dir():
+    # Rank 0 reads the layout and the trainer state for every rank: a rank's own view of the directory (node-local
+    # disk, a lagging network file system) must not make it skip a collective the others run (the LoRA gather).
+    state, sharded, has_adapter = _rank0_reads(ctx, lambda: (read_trainer_state(path), (path / SHARDED_DIR).is_dir(),
+                                                             (path / LORA_ADAPTER_FILE).is_file()))
+    if sharded:
         if not engine.supports_sharded():
             raise ValueError(f"{path} is a sharded (DCP) checkpoint, which this distributed.backend cannot load; "
                              f"export it with `python -m grpo_dist.tools.export_checkpoint {path} OUT_DIR` and start "
@@ -541,7 +558,7 @@ def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[s
         from safetensors.torch import load_file
         model_sd = optim_sd = None
         adapter = path / LORA_ADAPTER_FILE
-        if adapter.is_file():  # LoRA: the base weights as built at start, the adapter from the checkpoint
+        if has_adapter:  # LoRA: the base weights as built at start, the adapter from the checkpoint
             model_sd, _ = engine.gather_full_state()
         if ctx.is_main:
             if model_sd is not None:  # LoRA (adapter file present)

@@ -242,24 +242,24 @@ class GRPOTrainer:
         return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
 
     def _maybe_resume(self) -> None:
-        path, note, error = None, "", None
-        if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict
+        path, note, error, saved = None, "", None, None
+        if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict and state
             try:
                 path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
                                                      self.cfg.verify_checkpoint_hashes,
                                                      self.cfg.start_over_if_no_intact_checkpoint)
                 if path is not None:  # before any weight is read: a checkpoint of another model stops here
                     ckpt.check_model_shape(path, self.hf_model.config, self.cfg.lora)
-            except ckpt.CheckpointError as e:
+                    saved = ckpt.read_trainer_state(path)
+            except (ckpt.CheckpointError, OSError, ValueError) as e:
                 error = str(e)
-        path, note, error = gdist.broadcast_object((str(path) if path else None, note, error))
+        path, note, error, saved = gdist.broadcast_object((str(path) if path else None, note, error, saved))
         if error:
             raise ckpt.CheckpointError(error)
         if path is None:
             return
         if note and self.ctx.is_main:
             print(f"[grpo_dist] {path}: {note}", flush=True)
-        saved = ckpt.read_trainer_state(Path(path))
         # Checked before any weight is read: a different world size resumes only where the state maps onto it.
         try:
             copy.copy(self.sampler).load_state_dict(saved["sampler"])  # the same checks, on a throwaway copy

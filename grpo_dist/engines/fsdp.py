@@ -45,6 +45,16 @@ def _refuse_full_precision_no_shard_lora(cfg, world_size: int) -> None:
                           f"use FULL_SHARD or SHARD_GRAD_OP")
 
 
+def wrap_frozen_reference(engine: TorchEngine, model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model as FSDP1 and FSDP2 shard it: frozen, in eval mode, wrapped like the policy. It never
+    trains: fp32 shards would only cost memory. Parameters take the compute dtype (the same rounding as the mixed
+    precision cast of the policy, so the KL starts at exactly 0); buffers stay as the policy's do."""
+    model.requires_grad_(False)
+    model.eval()
+    cast_parameters_(model, MIXED_PRECISION_DTYPES.get(engine.cfg.distributed.mixed_precision))
+    return engine._wrap(model, trainable=False)
+
+
 class FSDPEngine(TorchEngine):
     """Policy and reference as FSDP units (use_orig_params); full weights and state are gathered unit by unit."""
 
@@ -104,12 +114,7 @@ class FSDPEngine(TorchEngine):
         return adapter if layers is None else functools.partial(_or_policy, policies=[adapter, layers])
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        model.requires_grad_(False)
-        model.eval()
-        # It never trains: fp32 shards would only cost memory. Parameters take the compute dtype (the same rounding
-        # as MixedPrecision's cast of the policy, so the KL starts at exactly 0); buffers stay as the policy's do.
-        cast_parameters_(model, MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision))
-        return self._wrap(model, trainable=False)
+        return wrap_frozen_reference(self, model)
 
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:
@@ -169,17 +174,19 @@ class FSDPEngine(TorchEngine):
                                   FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
                                   FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
             model_sd = self.module.state_dict()
-            optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
+            # torch 2.13's FSDP.optim_state_dict leaves an empty state empty; guarded as DCP's calls are
+            with self._optimizer_kept_unstarted() as unstarted:
+                optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
         if not self.ctx.is_main:
             return None, None
+        if unstarted:
+            optim_sd["state"] = {}
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         # Rank 0 holds the dicts; the others receive their shards by broadcast (one copy in host memory per node).
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
-        if optim_state is not None or not self.ctx.is_main:
-            set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
-                                     options=opts)
+        # every rank loads an optimizer state, or none does (rank 0 alone knows whether there is one)
+        self._load_optimizer_from_rank0(optim_state, opts)

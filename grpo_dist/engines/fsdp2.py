@@ -25,9 +25,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from grpo_dist.engines import checkpoint_layers, clean_name
-from grpo_dist.engines.fsdp import wrap_units
+from grpo_dist.engines.fsdp import wrap_frozen_reference, wrap_units
 from grpo_dist.engines.torch_engine import TorchEngine
-from grpo_dist.models import MIXED_PRECISION_DTYPES, cast_parameters_, load_on_rank0_only
+from grpo_dist.models import MIXED_PRECISION_DTYPES, load_on_rank0_only
 
 # distributed.sharding_strategy -> fully_shard's reshard_after_forward (config.py refuses the others for fsdp2)
 RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
@@ -105,12 +105,7 @@ class FSDP2Engine(TorchEngine):
             shard.copy_(t)
 
     def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        model.requires_grad_(False)
-        model.eval()
-        # It never trains: fp32 shards would only cost memory. Parameters take the compute dtype (the rounding of
-        # the policy's MixedPrecisionPolicy cast, so the KL starts at exactly 0); buffers stay as the policy's do.
-        cast_parameters_(model, MIXED_PRECISION_DTYPES.get(self.cfg.distributed.mixed_precision))
-        return self._wrap(model, trainable=False)
+        return wrap_frozen_reference(self, model)
 
     # ------------------------------------------------------------------------------------------------- update
     def _clip_grad_norm(self, max_norm: float) -> float:
@@ -200,19 +195,18 @@ class FSDP2Engine(TorchEngine):
     def gather_full_state(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         # full_state_dict + cpu_offload: gathered tensor by tensor into rank 0's host memory, nothing elsewhere
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with self._optimizer_kept_unstarted() as unstarted:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
+                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.ctx.is_main:
             return None, None
+        if unstarted:
+            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         # Rank 0 holds the dicts; the others receive their shards by broadcast, one tensor at a time.
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
-        from grpo_dist.distributed import broadcast_object
-        if broadcast_object(optim_state is not None):  # every rank takes part, or none
-            set_optimizer_state_dict(self.module, self.optimizer, optim_state if self.ctx.is_main else {},
-                                     options=opts)
+        self._load_optimizer_from_rank0(optim_state, opts)

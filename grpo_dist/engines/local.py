@@ -45,14 +45,16 @@ class LocalEngine(TorchEngine):
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True))
+        with self._optimizer_kept_unstarted() as unstarted:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
+                                                options=StateDictOptions(full_state_dict=True))
+        if unstarted:
+            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         opts = StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(self.module, model_state, options=opts)
         if optim_state is not None:
-            set_optimizer_state_dict(self.module, self.optimizer, optim_state, options=opts)
+            self._load_optimizer(optim_state, bool(optim_state.get("state")), opts)

@@ -17,6 +17,8 @@ import torch
 from grpo_dist.engines import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import decoder_layer_classes
 
+OPTIMIZER_STARTED = "optimizer_started"  # the sharded checkpoint's flag: 0 = saved before the first optimizer step
+
 
 @contextlib.contextmanager
 def _quiet_sharded_warnings():
@@ -88,6 +90,18 @@ class TorchEngine(Engine):
             yield {clean_name(n): p for n, p in self.module.named_parameters(remove_duplicate=False)}
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    @contextlib.contextmanager
+    def _optimizer_kept_unstarted(self):
+        """DCP's get/set_state_dict fill an empty optimizer state by a zero-gradient step at lr 0 (step 1, zero
+        moments). Before the first real step that would change every later step (Adam's bias correction counts
+        it): a save or eval at step 0 must not. Yields whether the state was empty, and empties it again after."""
+        unstarted = not self.optimizer.state
+        try:
+            yield unstarted
+        finally:
+            if unstarted:
+                self.optimizer.state.clear()
+
     def supports_sharded(self) -> bool:
         return True
 
@@ -98,14 +112,42 @@ class TorchEngine(Engine):
 
     def save_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
-        with _quiet_sharded_warnings():
-            dcp.save(self._sharded_state(), checkpoint_id=str(path))
+        with _quiet_sharded_warnings(), self._optimizer_kept_unstarted() as unstarted:
+            state = self._sharded_state()
+            # DCP needs an entry for every parameter: the filler state is written, and this flag says to drop it
+            state[OPTIMIZER_STARTED] = torch.tensor(int(not unstarted))
+            dcp.save(state, checkpoint_id=str(path))
 
     def load_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
         with _quiet_sharded_warnings():
             state = self._sharded_state()  # the shapes and shards to read into
+            flagged = OPTIMIZER_STARTED in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            if flagged:  # checkpoints written before the flag have none (their state is what they hold)
+                state[OPTIMIZER_STARTED] = torch.tensor(1)
             dcp.load(state, checkpoint_id=str(path))
+            started = bool(state.pop(OPTIMIZER_STARTED, torch.tensor(1)))
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
+        if not started:
+            self.optimizer.state.clear()  # saved before the first step: no state, as a fresh optimizer has
+
+    def _load_optimizer_from_rank0(self, optim_state: dict | None, opts) -> None:
+        """Collective. Only rank 0 holds the dict: its answers (a state or none; stepped or not) are broadcast
+        first, so that every rank makes the same set_optimizer_state_dict call, or none does."""
+        from grpo_dist.distributed import broadcast_object
+        mine = (optim_state is not None, bool(optim_state and optim_state.get("state"))) if self.ctx.is_main else None
+        present, started = broadcast_object(mine)
+        if present:
+            self._load_optimizer(optim_state if self.ctx.is_main else {}, started, opts)
+
+    def _load_optimizer(self, optim_state: dict | None, started: bool, opts) -> None:
+        """Collective (every rank, the same call): set_optimizer_state_dict from rank 0's (or this process's)
+        dict; `started` (the same on every rank) False for a state saved before the first step, which is emptied
+        again after the load (set_optimizer_state_dict fills it first, as get_state_dict does)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        set_optimizer_state_dict(self.module, self.optimizer, optim_state if optim_state is not None else {},
+                                 options=opts)
+        if not started:
+            self.optimizer.state.clear()
