@@ -241,6 +241,26 @@ class HealthConfig:
                        f"configured): any of {', '.join(HEALTH_CONDITIONS)}")
 
 
+CURRICULUM_MODES = ("none", "static", "online")
+
+
+@dataclass
+class CurriculumConfig:
+    mode: str = _f("none", "difficulty-aware prompt sampling (grpo_dist/curriculum.py, docs/curriculum.md): none "
+                   "(the epoch permutations) | static (easiest first by difficulty_field, the pool unlocked by a "
+                   "pacing schedule) | online (prompts whose last `window` groups were all solved or all failed are "
+                   "drawn with weight retire_weight)", CURRICULUM_MODES)
+    difficulty_field: str = _f("level", "static: the column ordering the prompts, smallest first (a number, or a "
+                               "string ending in one such as MATH's 'Level 3')")
+    start_fraction: float = _f(0.25, "static: fraction of the prompts (easiest first) open at step 0; it grows "
+                               "linearly to 1 over pacing_steps sampler batches")
+    pacing_steps: int = _f(100, "static: sampler batches (steps, or rounds with dynamic_sampling) until every "
+                           "prompt is open")
+    window: int = _f(2, "online: a prompt whose last `window` groups were all correct or all wrong is retired")
+    retire_weight: float = _f(0.1, "online: the sampling weight of a retired prompt (1 for the others); > 0, the "
+                              "floor that keeps every prompt drawn now and then (its statistics can then change)")
+
+
 @dataclass
 class GRPOConfig:
     # Run
@@ -409,6 +429,8 @@ class GRPOConfig:
     lora: LoraConfig = _f(factory=LoraConfig, help="LoRA section")
     vllm: VLLMConfig = _f(factory=VLLMConfig, help="vllm section (rollout_engine=vllm)")
     health: HealthConfig = _f(factory=HealthConfig, help="health monitor section (grpo_dist/health.py)")
+    curriculum: CurriculumConfig = _f(factory=CurriculumConfig, help="difficulty-aware prompt sampling section "
+                                      "(grpo_dist/curriculum.py)")
     dry_run: bool = _f(False, "a few-second rehearsal of this config (grpo_dist/dry_run.py): num_generations=2, "
                        "8 prompts in all, 2 steps, no checkpoint, output in a temporary directory; prints the run "
                        "table, a completion per prompt, and whether the run can learn (exit 0) or not (exit 5)")
@@ -489,6 +511,7 @@ class GRPOConfig:
         bad += _float64_problems(self)
         bad += self._decoder_problems()
         bad += _health_problems(self.health)
+        bad += _curriculum_problems(self)
         return bad
 
     def _variant_problems(self) -> list[str]:
@@ -719,6 +742,22 @@ def _number_keys(obj, prefix: str):
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             yield prefix + f.name
 
+
+
+def _curriculum_problems(cfg) -> list[str]:
+    """curriculum.* (grpo_dist/curriculum.py); a missing or unreadable difficulty column is refused once the data
+    is loaded (grpo_dist.curriculum.difficulties), still before any model loads."""
+    c = cfg.curriculum
+    bad = []
+    if not 0 < c.start_fraction <= 1:
+        bad.append(f"config key 'curriculum.start_fraction' must be in (0, 1], got {c.start_fraction}")
+    for k in ("pacing_steps", "window"):
+        if getattr(c, k) < 1:
+            bad.append(f"config key 'curriculum.{k}' must be >= 1, got {getattr(c, k)}")
+    if not 0 < c.retire_weight <= 1:
+        bad.append(f"config key 'curriculum.retire_weight' must be in (0, 1] (the floor that keeps a retired prompt "
+                   f"drawn), got {c.retire_weight}")
+    return bad
 
 def _health_problems(h: HealthConfig) -> list[str]:
     bad = [f"config key 'health.stop_on' has {short(n)}; allowed: {', '.join(HEALTH_CONDITIONS)}"

@@ -39,6 +39,7 @@ from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
+from grpo_dist.curriculum import Curriculum, record_graded
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
@@ -105,7 +106,11 @@ class GRPOTrainer:
             key = "eval_steps" if cfg.eval_steps else "full_eval_steps"
             raise ConfigError(f"config key '{key}' = {getattr(cfg, key)}, but the eval split is empty (no "
                               f"data.eval_path, and data.preset gives no held-out set here); set data.eval_path")
-        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        # difficulty-aware sampling: the column check of curriculum.mode=static runs here, before any model loads
+        self.curriculum = Curriculum(cfg.curriculum, self.train_examples, cfg.prompts_per_rank * ctx.world_size,
+                                     cfg.seed) if cfg.curriculum.mode != "none" else None
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed,
+                                     self.curriculum)
         sft_examples = load_sft_examples(cfg, self.train_examples, ctx.is_main) if cfg.sft_coef else None
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
@@ -276,6 +281,11 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
+        if self.curriculum is not None:
+            if "curriculum" not in state:
+                raise DataError(f"{path}: the checkpoint has no curriculum statistics (curriculum.mode was none); "
+                                f"resume with curriculum.mode=none or start a fresh run")
+            self.curriculum.load_state_dict(state["curriculum"])
         if self.sft is not None and "sft_sampler" in state:
             self.sft.sampler.load_state_dict(state["sft_sampler"])
         elif self.sft is not None and self.ctx.is_main:
@@ -425,6 +435,8 @@ class GRPOTrainer:
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
+        if self.curriculum is not None:
+            metrics.update(self.curriculum.metrics(self.sampler.last_batch_number))
         metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
         return metrics
 
@@ -440,6 +452,9 @@ class GRPOTrainer:
                                                  **rollout_context(examples, batch))
         # before the update: a broken function stops the run (every rank runs the same rounds: same collectives)
         errors = self._reward_errors(len(rewards))
+        if self.curriculum is not None and self.cfg.curriculum.mode == "online":  # each prompt's pass statistics
+            record_graded(self.curriculum, self.sampler, next(iter(per_function.values()), rewards),
+                          self.cfg.num_generations, self.ctx.device)
         self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
             if refresh is False else errors
         return batch, rewards, per_function
@@ -983,7 +998,8 @@ class GRPOTrainer:
         return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
                 "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict(),
-                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {})}
+                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {}),
+                **({"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {})}
 
     def save(self, **where) -> Path:
         """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""
