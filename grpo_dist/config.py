@@ -259,6 +259,13 @@ class CurriculumConfig:
     window: int = _f(2, "online: a prompt whose last `window` groups were all correct or all wrong is retired")
     retire_weight: float = _f(0.1, "online: the sampling weight of a retired prompt (1 for the others); > 0, the "
                               "floor that keeps every prompt drawn now and then (its statistics can then change)")
+    num_generations_min: Optional[int] = _f(None, "group size by difficulty (needs mode online): each prompt gets "
+                                            "between num_generations_min and num_generations_max completions, the "
+                                            "global batch still num_generations per prompt on average (the budget); "
+                                            "the extra ones go where one more completion most lowers the chance of a "
+                                            "flat group (running pass rate near, not at, 0 or 1); null: off")
+    num_generations_max: Optional[int] = _f(None, "group size by difficulty: the most completions of one prompt "
+                                            "(set with num_generations_min)")
 
 
 @dataclass
@@ -757,6 +764,24 @@ def _curriculum_problems(cfg) -> list[str]:
     if not 0 < c.retire_weight <= 1:
         bad.append(f"config key 'curriculum.retire_weight' must be in (0, 1] (the floor that keeps a retired prompt "
                    f"drawn), got {c.retire_weight}")
+    lo, hi = c.num_generations_min, c.num_generations_max
+    if (lo is None) != (hi is None):
+        key = "num_generations_min" if lo is not None else "num_generations_max"
+        bad.append(f"config key 'curriculum.{key}' is set alone: set both num_generations_min and _max, or neither")
+    elif lo is not None and hi is not None:
+        key = "curriculum.num_generations_min"
+        if not 2 <= lo <= cfg.num_generations <= hi:
+            bad.append(f"config key '{key}' = {lo}, num_generations_max = {hi}: need 2 <= min <= num_generations "
+                       f"({cfg.num_generations}, the average: the budget) <= max")
+        elif c.mode != "online":
+            bad.append(f"config key '{key}' needs curriculum.mode=online (the group sizes follow each prompt's "
+                       f"running pass rate), got mode {c.mode}")
+        elif cfg.dynamic_sampling:
+            bad.append(f"config key '{key}' does not apply with dynamic_sampling (its rounds assume groups of "
+                       f"num_generations); use one or the other")
+        elif cfg.rollout_engine == "vllm":
+            bad.append(f"config key '{key}' does not apply with rollout_engine=vllm (its engine is sized for "
+                       f"prompts_per_rank x num_generations rows); use lean or hf")
     return bad
 
 def _health_problems(h: HealthConfig) -> list[str]:

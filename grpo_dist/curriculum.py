@@ -137,19 +137,50 @@ class Curriculum:
             setattr(self, k, v)
 
 
-def record_graded(curriculum: Curriculum, sampler, first_rewards, group_size: int, device) -> None:
+def record_graded(curriculum: Curriculum, sampler, first_rewards, group_size: int | list[int], device) -> None:
     """After a round's grading: this rank's correct counts (the first reward function's full marks, as the
     accuracy metric) go into their slots of the global batch, one all-reduce, and every rank updates the same
-    statistics. Every rank makes the call, with prompts or not (the same collectives on every path)."""
+    statistics. group_size: num_generations, or the global batch's group sizes (group size by difficulty). Every
+    rank makes the call, with prompts or not (the same collectives on every path)."""
     import torch
 
     from grpo_dist import distributed as gdist
+    n = len(sampler.last_global_indices)
+    sizes = [group_size] * n if isinstance(group_size, int) else list(group_size)
+    start = sampler.rank * sampler.prompts_per_rank
     counts = torch.zeros(sampler.global_batch, dtype=torch.float64)
     local = (torch.as_tensor(first_rewards, dtype=torch.float64) >= 1.0).double()
     if local.numel():
-        start = sampler.rank * sampler.prompts_per_rank
-        per_group = local.view(-1, group_size).sum(dim=1)
+        mine = sizes[start:start + sampler.prompts_per_rank]
+        per_group = torch.stack([g.sum() for g in torch.split(local, mine)])
         counts[start:start + len(per_group)] = per_group
     total = gdist.all_reduce_sum(counts.to(device), device)
-    n = len(sampler.last_global_indices)
-    curriculum.update(sampler.last_global_indices, total[:n].round().long().numpy(), [group_size] * n)
+    curriculum.update(sampler.last_global_indices, total[:n].round().long().numpy(), sizes)
+
+
+def flat_probability(p: float, g: int) -> float:
+    """P(a group of g completions is flat: all correct or all wrong) at pass rate p: p^g + (1 - p)^g."""
+    return p ** g + (1.0 - p) ** g
+
+
+def allocate_group_sizes(correct: np.ndarray, completions: np.ndarray, budget: int, g_min: int,
+                         g_max: int) -> list[int]:
+    """Group size by difficulty: sizes in [g_min, g_max] summing to `budget` for the prompts of one global batch.
+
+    Each prompt's pass rate is the smoothed p = (correct + 1) / (completions + 2) (an unseen prompt: 1/2). Starting
+    from g_min each, the next completion goes to the prompt whose flat probability p^g + (1 - p)^g it lowers the
+    most (ties: the earlier prompt), until the budget is spent; f(g) is convex in g, so this greedy choice minimises
+    the expected number of flat groups. A pass rate near 0 or 1 (0.9, say) keeps that drop large for longer (more
+    completions: the group is less often flat); at 1/2 a few completions already make a flat group unlikely, and at
+    almost exactly 0 or 1 it stays flat whatever is added (those get g_min, and the online weights retire them).
+    Pure function of the all-reduced statistics: the same on every rank."""
+    n = len(correct)
+    if not n * g_min <= budget <= n * g_max:
+        raise ValueError(f"a budget of {budget} completions does not fit {n} groups of {g_min}..{g_max}")
+    p = (np.asarray(correct, dtype=np.float64) + 1.0) / (np.asarray(completions, dtype=np.float64) + 2.0)
+    sizes = [g_min] * n
+    for _ in range(budget - n * g_min):
+        gains = [flat_probability(p[i], sizes[i]) - flat_probability(p[i], sizes[i] + 1) if sizes[i] < g_max
+                 else -1.0 for i in range(n)]
+        sizes[int(np.argmax(gains))] += 1  # argmax: the first of equal gains
+    return sizes

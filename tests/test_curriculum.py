@@ -209,3 +209,107 @@ def test_two_ranks_keep_the_same_statistics_as_one_process(tmp_path):
     one = run_ranks(_online_on_ranks, 1, tmp_path, tmp_path)[0]
     assert two[0] == two[1] == one
     assert sum(one[0]["visits"]) == 12 and max(one[0]["flat_streak"]) >= 1
+
+
+# ------------------------------------------------------------------------------------ group size by difficulty
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, key", [
+    (["curriculum.num_generations_min=2"], "curriculum.num_generations_min"),          # alone
+    (["curriculum.num_generations_max=8"], "curriculum.num_generations_max"),
+    (["curriculum.mode=online", "num_generations=4", "curriculum.num_generations_min=5",
+      "curriculum.num_generations_max=8"], "curriculum.num_generations_min"),          # the average out of range
+    (["curriculum.mode=online", "curriculum.num_generations_min=1", "curriculum.num_generations_max=8"],
+     "curriculum.num_generations_min"),                                                # a group of 1 has no std
+    (["curriculum.num_generations_min=2", "curriculum.num_generations_max=16"], "curriculum.num_generations_min"),
+    (["curriculum.mode=online", "curriculum.num_generations_min=2", "curriculum.num_generations_max=16",
+      "dynamic_sampling=true"], "curriculum.num_generations_min"),
+    (["curriculum.mode=online", "curriculum.num_generations_min=2", "curriculum.num_generations_max=16",
+      "rollout_engine=vllm"], "curriculum.num_generations_min"),
+])
+def test_group_size_settings_that_cannot_apply_are_refused_with_one_line(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    mine = [p for p in e.value.problems if "curriculum." in p]  # (vLLM missing here is a line of its own)
+    assert len(mine) == 1 and f"'{key}'" in mine[0], e.value.problems
+
+
+@pytest.mark.fast
+def test_advantages_of_groups_of_different_sizes_written_out():
+    import torch
+
+    from grpo_dist.advantages import ADV_EPS, group_advantages, zero_advantage_groups
+    r = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.25, 0.0, 0.0, 1.0]
+    sizes = [2, 3, 5]
+    groups = [r[0:2], r[2:5], r[5:10]]
+
+    def mean(x):
+        return sum(x) / len(x)
+
+    def std(x):  # unbiased, n - 1
+        return math.sqrt(sum((v - mean(x)) ** 2 for v in x) / (len(x) - 1))
+    want = {"group": [(v - mean(g)) / (std(g) + ADV_EPS) for g in groups for v in g],
+            "none": [v - mean(g) for g in groups for v in g],
+            "batch": [(v - mean(g)) / (std(r) + ADV_EPS) for g in groups for v in g]}
+    for scale, w in want.items():
+        got = group_advantages(torch.tensor(r), sizes, scale)
+        assert got.tolist() == pytest.approx(w, abs=1e-6), scale
+    assert zero_advantage_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]), [2, 2, 3]).tolist() == \
+        [True, False, True]
+    # equal sizes give exactly the fixed-size path's numbers
+    x = torch.rand(12)
+    assert torch.equal(group_advantages(x, [4, 4, 4]), group_advantages(x, 4))
+
+
+@pytest.mark.fast
+def test_group_sizes_minimise_the_expected_flat_groups_within_the_budget():
+    """allocate_group_sizes against brute force: among all sizes in [lo, hi] summing to the budget, its choice
+    minimises sum_i p_i^g_i + (1 - p_i)^g_i, p_i = (correct + 1) / (completions + 2)."""
+    import itertools
+
+    from grpo_dist.curriculum import allocate_group_sizes
+    correct, completions = np.array([0, 8, 4, 15, 0]), np.array([0, 8, 8, 16, 16])
+    lo, hi, budget = 2, 8, 5 * 4
+    p = (correct + 1) / (completions + 2)
+    sizes = allocate_group_sizes(correct, completions, budget, lo, hi)
+    assert sum(sizes) == budget and all(lo <= g <= hi for g in sizes)
+
+    def flat(gs):
+        return sum(q ** g + (1 - q) ** g for q, g in zip(p, gs))
+    best = min(flat(gs) for gs in itertools.product(range(lo, hi + 1), repeat=5) if sum(gs) == budget)
+    assert flat(sizes) == pytest.approx(best, rel=1e-12)
+    # p = 0.9 and 0.89 get more than p = 1/2 (already seldom flat); p = 1/18 stays at lo: flat whatever one adds
+    assert sizes == [4, 5, 4, 5, 2]
+    assert allocate_group_sizes(np.zeros(3), np.zeros(3), 12, 2, 8) == [4, 4, 4]  # unseen: even split
+    with pytest.raises(ValueError):
+        allocate_group_sizes(np.zeros(3), np.zeros(3), 30, 2, 8)
+
+
+def _sized_on_ranks(rank, world, tmp_path):
+    tr = _trainer([f"output_dir={tmp_path / f's{world}'}", f"prompts_per_rank={4 // world}", "max_steps=4",
+                   "save_final=false", "curriculum.num_generations_min=2", "curriculum.num_generations_max=7"])
+    out = []
+    for _ in range(4):
+        m = tr.train_step()
+        out.append((list(tr._global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
+                                                                      "zero_advantage_fraction", "grad_norm")}))
+    sd, _ = tr.engine.gather_full_state()
+    tr.close()
+    return ({k: v.clone() for k, v in sd.items()} if rank == 0 else None), out, tr.curriculum.state_dict()
+
+
+@pytest.mark.slow  # 2 spawned gloo ranks, then 1: ~30 s
+def test_group_size_by_difficulty_two_ranks_take_the_same_steps_as_one_process(tmp_path):
+    """Groups of 2..7 completions, 4 on average: the ranks hold different numbers of rows, the same sizes, metrics
+    and weights as one process (whose rows are all of them)."""
+    import torch
+    from dist_utils import run_ranks
+    two = run_ranks(_sized_on_ranks, 2, tmp_path, tmp_path)
+    one = run_ranks(_sized_on_ranks, 1, tmp_path, tmp_path)[0]
+    assert [s for s, _ in two[0][1]] == [s for s, _ in one[1]] == [s for s, _ in two[1][1]]
+    assert any(len(set(s)) > 1 for s, _ in one[1]) and all(sum(s) == 16 for s, _ in one[1])
+    for (_, m2), (_, m1) in zip(two[0][1], one[1]):
+        assert m2 == pytest.approx(m1, rel=1e-5, abs=1e-6)
+    assert two[0][2] == one[2]
+    assert max((two[0][0][k] - one[0][k]).abs().max().item() for k in one[0]) < 1e-5
+    assert not all(torch.equal(one[0][k], one[0][k] * 0) for k in one[0])
