@@ -6,6 +6,7 @@ every --eval-steps steps, and reports the first evaluated step whose eval_accura
 reached within --max-steps). Each run takes ~75 s on a quiet 2-core CPU at 150 steps.
 
     nice -n 5 python bench/curriculum.py [--seeds 0 1 2] [--target 0.85] [--max-steps 150] [--eval-steps 10]
+                                         [--modes none online online_sized]
 
 The last line is one JSON object: {"target", "runs": {mode: {seed: steps or null}}, "median": {mode: ...},
 "final_eval_accuracy": {mode: {seed: ...}}}.
@@ -23,7 +24,11 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"none": ["curriculum.mode=none"],
-         "online": ["curriculum.mode=online", "curriculum.window=2", "curriculum.retire_weight=0.1"]}
+         "online": ["curriculum.mode=online", "curriculum.window=2", "curriculum.retire_weight=0.1"],
+         # group size by difficulty on top (not in the default --modes): 4..16 completions, 8 on average
+         "online_sized": ["curriculum.mode=online", "curriculum.window=2", "curriculum.retire_weight=0.1",
+                          "curriculum.num_generations_min=4", "curriculum.num_generations_max=16"]}
+DEFAULT_MODES = ["none", "online"]
 
 
 def run(mode: str, seed: int, args, out: str) -> tuple[int | None, float | None]:
@@ -48,7 +53,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=150)
     ap.add_argument("--eval-steps", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     args = ap.parse_args()
     runs: dict = {m: {} for m in args.modes}
     final: dict = {m: {} for m in args.modes}
