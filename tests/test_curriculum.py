@@ -287,12 +287,28 @@ def test_group_sizes_minimise_the_expected_flat_groups_within_the_budget():
 
 def _sized_on_ranks(rank, world, tmp_path):
     tr = _trainer([f"output_dir={tmp_path / f's{world}'}", f"prompts_per_rank={4 // world}", "max_steps=4",
-                   "save_final=false", "curriculum.num_generations_min=2", "curriculum.num_generations_max=7"])
+                   "save_final=false", "curriculum.num_generations_min=2", "curriculum.num_generations_max=7",
+                   "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]"])  # groups seldom flat
+    from grpo_dist.advantages import ADV_EPS
+    # earlier statistics, the same on every rank: pass rates from ~0.05 to ~0.9, so the sizes differ from step 1
+    tr.curriculum.correct[:] = [18, 1, 10, 2, 17, 10, 0, 9]
+    tr.curriculum.completions[:] = 20
+    graded = []
+    tr.on_graded = lambda batch, rewards: graded.append(list(rewards))
     out = []
     for _ in range(4):
         m = tr.train_step()
         out.append((list(tr._global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
                                                                       "zero_advantage_fraction", "grad_norm")}))
+        # this rank's advantages, group by group of its own size: (r - mean) / (unbiased std + eps)
+        want, at = [], 0
+        for g in tr._group_sizes:
+            grp = graded[-1][at:at + g]
+            mu = sum(grp) / g
+            sd = math.sqrt(sum((v - mu) ** 2 for v in grp) / (g - 1))
+            want += [(v - mu) / (sd + ADV_EPS) for v in grp]
+            at += g
+        assert at == len(graded[-1]) and tr.last_advantages.tolist() == pytest.approx(want, abs=1e-5)
     sd, _ = tr.engine.gather_full_state()
     tr.close()
     return ({k: v.clone() for k, v in sd.items()} if rank == 0 else None), out, tr.curriculum.state_dict()
