@@ -110,14 +110,12 @@ class Curriculum:
 
     def metrics(self, batch_number: int) -> dict:
         """Identical on every rank (nothing to all-reduce)."""
+        if self.cfg.mode == "static":  # static keeps no statistics: its order is the schedule's alone
+            return {"curriculum/pool_fraction": self.pool_size(batch_number) / self.num_examples}
         seen = self.visits > 0
         out = {"curriculum/seen_fraction": float(seen.mean())}
-        if self.cfg.mode == "static":
-            out["curriculum/pool_fraction"] = self.pool_size(batch_number) / self.num_examples
-        else:
-            out["curriculum/retired_fraction"] = float(self.retired().mean())
-            solved = seen & (self.correct == self.completions)
-            out["curriculum/solved_fraction"] = float(solved.mean())
+        out["curriculum/retired_fraction"] = float(self.retired().mean())
+        out["curriculum/solved_fraction"] = float((seen & (self.correct == self.completions)).mean())
         return out
 
     # ---------------------------------------------------------------------------------------------- checkpoint

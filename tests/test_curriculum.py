@@ -60,7 +60,7 @@ def test_static_pacing_opens_the_easiest_prompts_by_the_schedule():
     assert [levels[i] for i in cur.order] == sorted(levels)
     for b in range(8):
         want = max(gb, math.ceil((s + (1 - s) * min(1, b / p)) * n))
-        assert cur.pool_size(b) == want
+        assert cur.pool_size(b) == want and cur.metrics(b) == {"curriculum/pool_fraction": want / n}
         got = cur.global_indices(b)
         assert len(set(got.tolist())) == gb
         # every prompt drawn is no harder than the pool's hardest level
