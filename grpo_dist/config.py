@@ -171,6 +171,33 @@ class HealthConfig:
                        f"configured): any of {', '.join(HEALTH_CONDITIONS)}")
 
 
+CURRICULUM_MODES = ("none", "static", "online")
+
+
+@dataclass
+class CurriculumConfig:
+    mode: str = _f("none", "difficulty-aware prompt sampling (grpo_dist/curriculum.py, docs/curriculum.md): none "
+                   "(the epoch permutations) | static (easiest first by difficulty_field, the pool unlocked by a "
+                   "pacing schedule) | online (prompts whose last `window` groups were all solved or all failed are "
+                   "drawn with weight retire_weight)", CURRICULUM_MODES)
+    difficulty_field: str = _f("level", "static: the column ordering the prompts, smallest first (a number, or a "
+                               "string ending in one such as MATH's 'Level 3')")
+    start_fraction: float = _f(0.25, "static: fraction of the prompts (easiest first) open at step 0; it grows "
+                               "linearly to 1 over pacing_steps sampler batches")
+    pacing_steps: int = _f(100, "static: sampler batches (steps, or rounds with dynamic_sampling) until every "
+                           "prompt is open")
+    window: int = _f(2, "online: a prompt whose last `window` groups were all correct or all wrong is retired")
+    retire_weight: float = _f(0.1, "online: the sampling weight of a retired prompt (1 for the others); > 0, the "
+                              "floor that keeps every prompt drawn now and then (its statistics can then change)")
+    num_generations_min: Optional[int] = _f(None, "group size by difficulty (needs mode online): each prompt gets "
+                                            "between num_generations_min and num_generations_max completions, the "
+                                            "global batch still num_generations per prompt on average (the budget); "
+                                            "the extra ones go where one more completion most lowers the chance of a "
+                                            "flat group (running pass rate near, not at, 0 or 1); null: off")
+    num_generations_max: Optional[int] = _f(None, "group size by difficulty: the most completions of one prompt "
+                                            "(set with num_generations_min)")
+
+
 @dataclass
 class GRPOConfig:
     # Run
@@ -339,6 +366,8 @@ class GRPOConfig:
     lora: LoraConfig = _f(factory=LoraConfig, help="LoRA section")
     vllm: VLLMConfig = _f(factory=VLLMConfig, help="vllm section (rollout_engine=vllm)")
     health: HealthConfig = _f(factory=HealthConfig, help="health monitor section (grpo_dist/health.py)")
+    curriculum: CurriculumConfig = _f(factory=CurriculumConfig, help="difficulty-aware prompt sampling section "
+                                      "(grpo_dist/curriculum.py)")
     dry_run: bool = _f(False, "a few-second rehearsal of this config (grpo_dist/dry_run.py): num_generations=2, "
                        "8 prompts in all, 2 steps, no checkpoint, output in a temporary directory; prints the run "
                        "table, a completion per prompt, and whether the run can learn (exit 0) or not (exit 5)")
@@ -418,6 +447,7 @@ class GRPOConfig:
         bad += _float64_problems(self)
         bad += self._decoder_problems()
         bad += _health_problems(self.health)
+        bad += _curriculum_problems(self)
         return bad
 
     def _variant_problems(self) -> list[str]:
@@ -648,6 +678,40 @@ def _number_keys(obj, prefix: str):
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             yield prefix + f.name
 
+
+
+def _curriculum_problems(cfg) -> list[str]:
+    """curriculum.* (grpo_dist/curriculum.py); a missing or unreadable difficulty column is refused once the data
+    is loaded (grpo_dist.curriculum.difficulties), still before any model loads."""
+    c = cfg.curriculum
+    bad = []
+    if not 0 < c.start_fraction <= 1:
+        bad.append(f"config key 'curriculum.start_fraction' must be in (0, 1], got {c.start_fraction}")
+    for k in ("pacing_steps", "window"):
+        if getattr(c, k) < 1:
+            bad.append(f"config key 'curriculum.{k}' must be >= 1, got {getattr(c, k)}")
+    if not 0 < c.retire_weight <= 1:
+        bad.append(f"config key 'curriculum.retire_weight' must be in (0, 1] (the floor that keeps a retired prompt "
+                   f"drawn), got {c.retire_weight}")
+    lo, hi = c.num_generations_min, c.num_generations_max
+    if (lo is None) != (hi is None):
+        key = "num_generations_min" if lo is not None else "num_generations_max"
+        bad.append(f"config key 'curriculum.{key}' is set alone: set both num_generations_min and _max, or neither")
+    elif lo is not None and hi is not None:
+        key = "curriculum.num_generations_min"
+        if not 2 <= lo <= cfg.num_generations <= hi:
+            bad.append(f"config key '{key}' = {lo}, num_generations_max = {hi}: need 2 <= min <= num_generations "
+                       f"({cfg.num_generations}, the average: the budget) <= max")
+        elif c.mode != "online":
+            bad.append(f"config key '{key}' needs curriculum.mode=online (the group sizes follow each prompt's "
+                       f"running pass rate), got mode {c.mode}")
+        elif cfg.dynamic_sampling:
+            bad.append(f"config key '{key}' does not apply with dynamic_sampling (its rounds assume groups of "
+                       f"num_generations); use one or the other")
+        elif cfg.rollout_engine == "vllm":
+            bad.append(f"config key '{key}' does not apply with rollout_engine=vllm (its engine is sized for "
+                       f"prompts_per_rank x num_generations rows); use lean or hf")
+    return bad
 
 def _health_problems(h: HealthConfig) -> list[str]:
     bad = [f"config key 'health.stop_on' has {short(n)}; allowed: {', '.join(HEALTH_CONDITIONS)}"

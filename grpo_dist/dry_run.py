@@ -41,6 +41,8 @@ def prepare(cfg, world_size: int):
              overwrite_output_dir=False, output_dir=str(dry_run_dir(world_size)), log_completions=0,
              progress_bar=False, report_to=[], warmup_steps=0, dry_run=True)
     d["health"] = {**d["health"], "stop_on": []}
+    # groups of 2: no room for group size by difficulty (its range would be refused around num_generations=2)
+    d["curriculum"] = {**d["curriculum"], "num_generations_min": None, "num_generations_max": None}
     return load_config(None, base=d)
 
 

@@ -39,6 +39,7 @@ from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
+from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
 from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
@@ -55,7 +56,7 @@ from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
 from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
                                        rollout_dtype, tied_aliases)
-from grpo_dist.sampling_noise import row_seeds
+from grpo_dist.sampling_noise import row_seed, row_seeds
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
 
 PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
@@ -105,7 +106,11 @@ class GRPOTrainer:
             key = "eval_steps" if cfg.eval_steps else "full_eval_steps"
             raise ConfigError(f"config key '{key}' = {getattr(cfg, key)}, but the eval split is empty (no "
                               f"data.eval_path, and data.preset gives no held-out set here); set data.eval_path")
-        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed)
+        # difficulty-aware sampling: the column check of curriculum.mode=static runs here, before any model loads
+        self.curriculum = Curriculum(cfg.curriculum, self.train_examples, cfg.prompts_per_rank * ctx.world_size,
+                                     cfg.seed) if cfg.curriculum.mode != "none" else None
+        self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed,
+                                     self.curriculum)
         sft_examples = load_sft_examples(cfg, self.train_examples, ctx.is_main) if cfg.sft_coef else None
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
@@ -179,6 +184,10 @@ class GRPOTrainer:
         self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
+        # group size by difficulty (curriculum.num_generations_min/_max): this round's group sizes, the global
+        # batch's and this rank's slice of them; None: every group has num_generations completions
+        self._global_group_sizes: list[int] | None = None
+        self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
 
     # --------------------------------------------------------------------------------------------------- setup
@@ -276,6 +285,11 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
+        if self.curriculum is not None:
+            if "curriculum" not in state:
+                raise DataError(f"{path}: the checkpoint has no curriculum statistics (curriculum.mode was none); "
+                                f"resume with curriculum.mode=none or start a fresh run")
+            self.curriculum.load_state_dict(state["curriculum"])
         if self.sft is not None and "sft_sampler" in state:
             self.sft.sampler.load_state_dict(state["sft_sampler"])
         elif self.sft is not None and self.ctx.is_main:
@@ -425,6 +439,11 @@ class GRPOTrainer:
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
+        if self.curriculum is not None:
+            metrics.update(self.curriculum.metrics(self.sampler.last_batch_number))
+            if self._global_group_sizes is not None:  # the last round's plan, the same on every rank
+                metrics.update({"curriculum/group_size_min": min(self._global_group_sizes),
+                                "curriculum/group_size_max": max(self._global_group_sizes)})
         metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
         return metrics
 
@@ -433,13 +452,19 @@ class GRPOTrainer:
         """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
         with timer("rollout"):
             examples = self.sampler.next_batch()
+            self._plan_group_sizes()
             batch = self.rollout(examples, refresh)
         with timer("reward"):
+            row_examples = examples if self._group_sizes is None else \
+                [e for e, g in zip(examples, self._group_sizes) for _ in range(g)]
             rewards, per_function = self.rewards(batch.completions, batch.references,
                                                  batch.completion_lengths.tolist(), self.cfg.max_completion_length,
-                                                 **rollout_context(examples, batch))
+                                                 **rollout_context(row_examples, batch))
         # before the update: a broken function stops the run (every rank runs the same rounds: same collectives)
         errors = self._reward_errors(len(rewards))
+        if self.curriculum is not None and self.cfg.curriculum.mode == "online":  # each prompt's pass statistics
+            record_graded(self.curriculum, self.sampler, next(iter(per_function.values()), rewards),
+                          self._global_group_sizes or self.cfg.num_generations, self.ctx.device)
         self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
             if refresh is False else errors
         return batch, rewards, per_function
@@ -490,14 +515,34 @@ class GRPOTrainer:
         per_function = {name: [f[name][g * G + j] for _, _, f, g in kept for j in range(G)] for name in per_fn}
         return batch, rewards, per_function, sampling
 
+    def _plan_group_sizes(self) -> None:
+        """Group size by difficulty: the sizes of the global batch the sampler just drew, from the all-reduced
+        statistics (the same on every rank), and this rank's slice of them."""
+        c = self.cfg.curriculum
+        if self.curriculum is None or c.num_generations_min is None or c.num_generations_max is None:
+            return
+        idx = self.sampler.last_global_indices
+        self._global_group_sizes = allocate_group_sizes(
+            self.curriculum.correct[idx], self.curriculum.completions[idx], len(idx) * self.cfg.num_generations,
+            c.num_generations_min, c.num_generations_max)
+        start = self.ctx.rank * self.cfg.prompts_per_rank
+        self._group_sizes = self._global_group_sizes[start:start + self.cfg.prompts_per_rank]
+
     def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
-        """G completions of each of `examples`, the data sampler's last batch (its place keys the sampling noise)."""
+        """G completions of each of `examples`, the data sampler's last batch (its place keys the sampling noise);
+        with group size by difficulty, each prompt's planned number of them (its prompt repeated, one each)."""
         cfg = self.cfg
         if refresh:
             self.sync_rollout_weights()
         prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
-        batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, [e.answer for e in examples],
-                               self.sampling_spec(row_seeds=self._row_seeds(len(examples))),
+        answers = [e.answer for e in examples]
+        n = None
+        if self._group_sizes is not None:
+            prompts = [p for p, g in zip(prompts, self._group_sizes) for _ in range(g)]
+            answers = [a for a, g in zip(answers, self._group_sizes) for _ in range(g)]
+            n = 1
+        batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, answers,
+                               self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
                                cfg.data.max_prompt_length, self.ctx.device)
         if batch.decode_row_steps is not None:
             self._decode_tokens[0] += batch.decode_row_steps
@@ -512,6 +557,9 @@ class GRPOTrainer:
         where = self.sampler.last_prompt_indices
         if len(where) != num_prompts:
             raise ValueError(f"rollout of {num_prompts} prompts, but the data sampler's last batch had {len(where)}")
+        if self._group_sizes is not None:  # completion j of a prompt draws the same noise whatever its group size
+            return tuple(row_seed(self.cfg.seed, self.sampler.last_batch_number, p, j)
+                         for p, g in zip(where, self._group_sizes) for j in range(g))
         return tuple(row_seeds(self.cfg.seed, self.sampler.last_batch_number, where, self.cfg.num_generations))
 
     def sampling_spec(self, greedy: bool = False, n: int | None = None,
@@ -591,7 +639,7 @@ class GRPOTrainer:
     def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages of this rank's rows, which groups are flat: all rewards equal). Groups are rank-local; with
         scale_rewards=batch the std is over every rank's rewards."""
-        G, scale = self.cfg.num_generations, self.cfg.scale_rewards
+        G, scale = self._group_sizes or self.cfg.num_generations, self.cfg.scale_rewards
         batch_std = self._batch_reward_std(rewards) if scale == "batch" else None
         advantages = group_advantages(rewards, G, scale, batch_std).to(self.ctx.device)
         self.last_advantages = advantages.detach().cpu()
@@ -610,8 +658,10 @@ class GRPOTrainer:
         (mask_truncated_completions: out of the loss and its normaliser; their group statistics stand)."""
         cfg, G = self.cfg, self.cfg.num_generations
         rows = list(range(len(batch)))
+        group_of = [i // G for i in rows] if self._group_sizes is None else \
+            [g for g, size in enumerate(self._group_sizes) for _ in range(size)]
         if cfg.skip_zero_advantage_groups:
-            rows = [i for i in rows if not flat_groups[i // G]]
+            rows = [i for i in rows if not flat_groups[group_of[i]]]
         if cfg.mask_truncated_completions:
             truncated = cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer))
             rows = [i for i in rows if not truncated[i]]
@@ -983,7 +1033,8 @@ class GRPOTrainer:
         return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
                 "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
                 "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict(),
-                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {})}
+                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {}),
+                **({"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {})}
 
     def save(self, **where) -> Path:
         """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""

@@ -22,7 +22,8 @@ class PromptSampler:
     are then exactly the same and only their split across ranks changes.
     """
 
-    def __init__(self, examples: list[PromptExample], prompts_per_rank: int, rank: int, world_size: int, seed: int):
+    def __init__(self, examples: list[PromptExample], prompts_per_rank: int, rank: int, world_size: int, seed: int,
+                 curriculum: Any = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world_size {world_size}")
         if prompts_per_rank < 1:
@@ -45,6 +46,10 @@ class PromptSampler:
         # global batches drawn before it, and each of its prompts' place in the global batch
         self.last_batch_number = 0
         self.last_prompt_indices: list[int] = []
+        # grpo_dist.curriculum.Curriculum: picks each global batch instead of the epoch permutation (the epoch and
+        # step still count batches, so the batch number, the sampling noise and the checkpoint stay as they are)
+        self.curriculum = curriculum
+        self.last_global_indices: list[int] = []  # example indices of the last global batch (every rank's)
 
     @property
     def epoch(self) -> int:
@@ -71,10 +76,15 @@ class PromptSampler:
 
     def next_batch(self) -> list[PromptExample]:
         """This rank's prompts for the next step; rolls over to the next epoch after the last step of one."""
-        perm = self.permutation(self._epoch)
-        start = self._step * self.global_batch + self.rank * self.prompts_per_rank
-        batch = [self.examples[int(i)] for i in perm[start:start + self.prompts_per_rank]]
         self.last_batch_number = self._epoch * self._steps_per_epoch + self._step
+        if self.curriculum is not None:
+            whole = self.curriculum.global_indices(self.last_batch_number)
+        else:
+            at = self._step * self.global_batch
+            whole = self.permutation(self._epoch)[at:at + self.global_batch]
+        self.last_global_indices = [int(i) for i in whole]
+        start = self.rank * self.prompts_per_rank
+        batch = [self.examples[i] for i in self.last_global_indices[start:start + self.prompts_per_rank]]
         self.last_prompt_indices = [self.rank * self.prompts_per_rank + i for i in range(len(batch))]
         self._step += 1
         if self._step >= self._steps_per_epoch:
