@@ -7,11 +7,13 @@ Process groups, created by every rank in this order (setup):
     trainer  ranks 0 .. T-1               FSDP and the trainer's all-reduces
     rollout  ranks T .. W-1               (nothing yet: room for vLLM tensor parallelism)
     sync     rank 0 and ranks T .. W-1    the weight broadcast (nccl on CUDA, gloo on CPU)
-    control  all ranks, gloo              prompts out, completions back (pickled, point to point)
+    control  all ranks, gloo              headers and prompts out, completions back (pickled, point to point,
+                                          queued: a sender never blocks on its receiver)
 Trainer t sends its prompts to rollout rank T + t mod R; a rollout rank serves its trainers in rank order.
 
-The protocol, for steps s = 0 .. N-1 and staleness k (batch j is the prompts of step j; H = header broadcast on
-the sync group: the version a batch must be sampled with, the weights following when the version is new, -1 stops):
+The protocol, for steps s = 0 .. N-1 and staleness k (batch j is the prompts of step j; H = a header from
+rank 0 to every rollout rank: the version batch j is sampled with; when the version is new the weights follow as
+broadcasts on the sync group; -1 stops):
 
     trainer t (rank 0 broadcasts)                        rollout rank T + t mod R
     -----------------------------                        ------------------------
@@ -126,11 +128,24 @@ def _lost_line(roles_: Roles, what: str, peer: int, why: str) -> str:
             f"from rank {peer} and stopped: {why}")
 
 
+_OUTBOX: list[tuple] = []  # sends not yet taken: (work, buffer, what, peer); the buffers must live until then
+
+
 def send_obj(obj, dst: int, roles_: Roles, what: str) -> None:
+    """Queue a pickled message to rank dst and go on: a send that waited for its receiver could deadlock against
+    the weight broadcast (the receiver busy generating, the sender blocked). flush() waits for what is queued."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    _wait(dist.isend(size, dst, group=roles_.control_group), roles_, f"{what} (size) to be taken", dst)
-    _wait(dist.isend(data, dst, group=roles_.control_group), roles_, f"{what} to be taken", dst)
+    for t in (size, data):
+        _OUTBOX.append((dist.isend(t, dst, group=roles_.control_group), t, what, dst))
+    _OUTBOX[:] = [item for item in _OUTBOX if not item[0].is_completed()]
+
+
+def flush(roles_: Roles) -> None:
+    """Wait (up to the timeout each) until every queued message was taken."""
+    while _OUTBOX:
+        work, _, what, dst = _OUTBOX.pop(0)
+        _wait(work, roles_, f"{what} to be taken", dst)
 
 
 def recv_obj(src: int, roles_: Roles, what: str):
@@ -203,8 +218,7 @@ class AsyncRollouts:
                 for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
                     send_obj(self.manifest, dst, self.roles, "the weight manifest")
         if main:
-            _broadcast(torch.tensor([version], dtype=torch.long, device=self.roles.device), self.roles,
-                       f"the version header {version}")
+            self._header(version)
         if new:
             nbytes = 0
             for _, t in trainer.engine.iter_full_weights(rollout_dtype(self.cfg)):
@@ -263,8 +277,13 @@ class AsyncRollouts:
             recv_obj(self.peer, self.roles, "completions still in flight at the end")
             self.received += 1
         if self.ctx.rank == 0:
-            _broadcast(torch.tensor([STOP], dtype=torch.long, device=self.roles.device), self.roles,
-                       "the stop header")
+            self._header(STOP)
+        flush(self.roles)
+
+    def _header(self, version: int) -> None:
+        """To every rollout rank, ahead of each batch: the version to sample it with (STOP: the end)."""
+        for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
+            send_obj(version, dst, self.roles, f"the version header {version}")
 
 
 def accepted(lag: int, max_staleness: int) -> bool:
@@ -305,13 +324,13 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     try:
         while True:
             t0 = time.perf_counter()
-            header = torch.zeros(1, dtype=torch.long, device=roles_.device)
-            _broadcast(header, roles_, f"the version header of batch {j}")
-            if int(header[0]) == STOP:
+            header = recv_obj(0, roles_, f"the version header of batch {j}")
+            if header == STOP:
+                flush(roles_)
                 return 0
-            if int(header[0]) != version:  # a new version: switch weights between generation batches
+            if header != version:  # a new version: switch weights between generation batches
                 engine.sync_weights(_received_weights(manifest, roles_))
-                version = int(header[0])
+                version = header
             for t in served:
                 msg = recv_obj(t, roles_, f"the prompts of batch {j}")
                 idle += time.perf_counter() - t0

@@ -356,9 +356,9 @@ class GRPOTrainer:
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break
-        finally:
-            if self.async_rollouts is not None:
+            if self.async_rollouts is not None:  # not after an error: the peers may be gone; they time out
                 self.async_rollouts.close()
+        finally:
             self.logger.close()
             self.completion_log.close()
             self.rewards.close()

@@ -93,7 +93,11 @@ def _kill_entry(rank, world_size, port, out_dir, overrides):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    result = _train(rank, world_size, overrides, os.path.join(out_dir, "run"))
+    try:
+        result = _train(rank, world_size, overrides, os.path.join(out_dir, "run"))
+    except BaseException:
+        import traceback
+        result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)
 
@@ -118,6 +122,7 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
         if p.is_alive():
             p.kill()
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "lost" in result, result.get("error")
     line = result["lost"]
     assert "\n" not in line
     assert line.startswith("rank 0 (trainer) waited up to 15 s") and "from rank 1" in line
