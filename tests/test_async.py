@@ -66,6 +66,19 @@ def test_staleness_0_one_trainer_one_rollout_rank_is_bitwise_colocated(tmp_path)
 
 
 @pytest.mark.slow
+def test_staleness_0_two_trainers_two_rollout_ranks_is_bitwise_two_colocated(tmp_path):
+    """FSDP over the trainer group (not the world), two rollout ranks each serving one trainer."""
+    steps = ["max_steps=2", "prompts_per_rank=1"]
+    colocated = run_ranks(_train, 2, tmp_path, steps, str(tmp_path / "colocated"))[0]
+    asynchronous = run_ranks(_train, 4, tmp_path, steps + ["rollout_ranks=2"], str(tmp_path / "async"))
+    assert asynchronous[2] == asynchronous[3] == {"served": 0}
+    a = asynchronous[0]
+    tensors_equal(colocated["model"], a["model"], "model")
+    tensors_equal(colocated["optim"], a["optim"], "optimizer")
+    assert [m["loss"] for m in colocated["metrics"]] == [m["loss"] for m in a["metrics"]]
+
+
+@pytest.mark.slow
 def test_staleness_k_bounds_the_lag_and_trains_on_behaviour_logprobs(tmp_path):
     k, steps = 2, 4
     # one iteration: with the policy's own log-probs as "old" every ratio would be exactly 1

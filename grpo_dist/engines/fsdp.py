@@ -171,7 +171,7 @@ class FSDPEngine(TorchEngine):
                                   FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
                                   FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
             model_sd = self.module.state_dict()
-            optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
+            optim_sd = FSDP.optim_state_dict(self.module, self.optimizer, group=gdist.group())
         if not self.ctx.is_main:
             return None, None
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd

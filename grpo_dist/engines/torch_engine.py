@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from grpo_dist import distributed as gdist
 from grpo_dist.engines import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import decoder_layer_classes
 
@@ -99,13 +100,13 @@ class TorchEngine(Engine):
     def save_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
         with _quiet_sharded_warnings():
-            dcp.save(self._sharded_state(), checkpoint_id=str(path))
+            dcp.save(self._sharded_state(), checkpoint_id=str(path), process_group=gdist.group())
 
     def load_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
         with _quiet_sharded_warnings():
             state = self._sharded_state()  # the shapes and shards to read into
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), process_group=gdist.group())
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
