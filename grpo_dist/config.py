@@ -274,6 +274,13 @@ class GRPOConfig:
                              "model's own transformers forward) | vllm (one in-process vLLM engine per rank, "
                              "section vllm; pip install 'grpo_dist[vllm]')", ("lean", "hf", "vllm"))
     lean_decoder: Optional[bool] = _f(None, "deprecated: true = rollout_engine lean, false = rollout_engine hf")
+    rollout_ranks: int = _f(0, "asynchronous GRPO (docs/async.md): the last rollout_ranks of the world's ranks only "
+                            "generate and grade (lean or hf engine), the others train (fsdp / fsdp2) on what they "
+                            "send back; 0: every rank samples and trains in turn (colocated)")
+    max_staleness: int = _f(0, "with rollout_ranks > 0: a completion sampled by policy version v trains at step s "
+                            "only if s - v <= max_staleness (at most that many steps of prompts in flight); 0: "
+                            "on-policy, the same weights and optimizer state as colocated training; > 0: the PPO "
+                            "ratio is against the sampler's (behaviour) log-probs, so clipping must be on")
     sampler_correction: str = _f("none", "truncated importance sampling of the policy loss by the trainer/sampler "
                                  "probability ratio of the rollout tokens (sampler = the rollout engine): none | "
                                  "token (per-token ratio) | sequence (the ratio of the whole completion)",
@@ -378,6 +385,39 @@ class GRPOConfig:
     def validate(self) -> None:
         _raise_all(self.problems())
 
+    def async_problems(self, world_size: int | None = None) -> list[str]:
+        """What asynchronous GRPO (rollout_ranks, max_staleness) cannot do in this config; world_size: the run's,
+        where known (grpo_dist/async_rollout.py checks it at start)."""
+        bad, R, k = [], self.rollout_ranks, self.max_staleness
+        if R < 0 or k < 0:
+            key = "rollout_ranks" if R < 0 else "max_staleness"
+            return [f"config key '{key}' must be >= 0, got {getattr(self, key)}"]
+        if R == 0:
+            if k:
+                bad.append(f"config key 'max_staleness' = {k} needs rollout_ranks > 0 (colocated training is "
+                           f"on-policy)")
+            return bad
+        if world_size is not None and R >= world_size:
+            bad.append(f"config key 'rollout_ranks' = {R} leaves no trainer rank in a world of {world_size}; "
+                       f"set it below {world_size}")
+        if k and math.isinf(self.epsilon):
+            bad.append(f"config key 'epsilon' = inf with max_staleness = {k}: the ratio against stale behaviour "
+                       f"log-probs must be clipped; set a finite epsilon")
+        unsupported = [("distributed.backend", self.distributed.backend, self.distributed.backend == "deepspeed"),
+                       ("rollout_engine", self.rollout_engine, self.rollout_engine == "vllm"),
+                       ("dynamic_sampling", self.dynamic_sampling, self.dynamic_sampling),
+                       ("sampling_noise", self.sampling_noise, self.sampling_noise != "per_prompt"),
+                       ("eval_steps", self.eval_steps, bool(self.eval_steps)),
+                       ("full_eval_steps", self.full_eval_steps, bool(self.full_eval_steps)),
+                       ("resume_from_checkpoint", self.resume_from_checkpoint, bool(self.resume_from_checkpoint)),
+                       ("lora.r", self.lora.r, bool(self.lora.r)),
+                       ("sft_coef", self.sft_coef, bool(self.sft_coef))]
+        for key, value, bad_here in unsupported:
+            if bad_here:
+                bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0 yet "
+                           f"(docs/async.md)")
+        return bad
+
     def problems(self) -> list[str]:
         """Every problem of this config, in the order of the checks (validate raises one ConfigError with all of
         them; `python -m grpo_dist.config --check` prints them all)."""
@@ -398,6 +438,7 @@ class GRPOConfig:
             bad.append(f"config key 'max_tokens_per_micro_batch' = {budget} is below the longest sequence "
                        f"(data.max_prompt_length + max_completion_length = "
                        f"{self.data.max_prompt_length + self.max_completion_length}); raise it or null (off)")
+        bad += self.async_problems()
         if self.log_completions < 0:
             bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

@@ -84,6 +84,26 @@ def _elastic_attempt_store(world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"grpo_dist/attempt_{attempt}", store)
 
 
+# The process group the trainer's collectives run in: None (the world), or the trainer ranks' own group under
+# asynchronous GRPO (rollout_ranks > 0; grpo_dist/async_rollout.py), where the rollout ranks never join them.
+_GROUP = None
+
+
+def use_group(group) -> None:
+    """Every collective of this module (and of the engines, through group()) runs in `group` from here on."""
+    global _GROUP
+    _GROUP = group
+
+
+def group():
+    return _GROUP
+
+
+def group_size() -> int:
+    """The number of ranks the trainer's collectives span (1 without a process group)."""
+    return dist.get_world_size(_GROUP) if dist.is_initialized() else 1
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -92,8 +112,8 @@ def cleanup() -> None:
 def all_reduce_sum(values: Sequence[float | torch.Tensor] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Element-wise sum over ranks of a float64 vector (one collective for many metrics)."""
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if group_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_GROUP)
     return t.cpu()
 
 
@@ -107,8 +127,8 @@ def all_reduce_sum_named(values: Mapping[str, float | torch.Tensor], device: tor
 
 def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if group_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GROUP)
     return t.cpu()
 
 
@@ -118,46 +138,46 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if group_size() > 1:
+        dist.barrier(group=_GROUP)
 
 
 def broadcast_object(obj, src: int = 0):
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if group_size() <= 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_GROUP)  # src: a global rank
     return box[0]
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
     """In place: every rank's tensors take rank `src`'s values (same list, same order, on the rank's device)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if group_size() > 1:
         for t in tensors:
-            dist.broadcast(t, src=src)
+            dist.broadcast(t, src=src, group=_GROUP)
 
 
 def gather_object(obj, dst: int = 0) -> list | None:
     """The list of every rank's `obj` on rank `dst`, None elsewhere (pickled; for small metadata only)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if group_size() <= 1:
         return [obj]
-    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst)
+    out = [None] * group_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=_GROUP)
     return out
 
 
 def all_gather_1d(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     """Every rank's 1-D tensor, in rank order; the lengths may differ (two collectives: sizes, then the data padded
     to the longest). t must be on `device` (the process group's: nccl needs CUDA tensors)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if group_size() <= 1:
         return [t]
-    world = dist.get_world_size()
+    world = group_size()
     sizes = torch.tensor([t.numel()], dtype=torch.long, device=device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
+    dist.all_gather(all_sizes, sizes, group=_GROUP)
     n = [int(s) for s in all_sizes]
     padded = torch.zeros(max(max(n), 1), dtype=t.dtype, device=device)
     padded[:t.numel()] = t
     out = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=_GROUP)
     return [o[:k] for o, k in zip(out, n)]

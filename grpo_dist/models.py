@@ -157,11 +157,9 @@ def fill_from_rank0(model: torch.nn.Module, device) -> torch.nn.Module:
     """Every rank's parameters and buffers take rank 0's values, in place, on `device` (meta-built ranks get
     storage there first). Collective: every rank passes the same architecture, so the same tensors in the same
     order."""
-    import torch.distributed as dist
+    from grpo_dist import distributed as gdist
     materialize_meta(model, device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for t in [*model.parameters(), *model.buffers()]:  # tied weights are listed once
-            dist.broadcast(t.data, src=0)
+    gdist.broadcast_tensors([t.data for t in [*model.parameters(), *model.buffers()]])  # tied: listed once
     return model
 
 

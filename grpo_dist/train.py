@@ -64,6 +64,7 @@ def main(argv=None) -> int:
 
     from grpo_dist import distributed as gdist
     from grpo_dist import preflight, watchdog
+    from grpo_dist.async_rollout import PeerLost
     from grpo_dist.advice import start_warnings
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
@@ -80,7 +81,14 @@ def main(argv=None) -> int:
         if ctx.is_main:
             for line in start_warnings(cfg):  # settings that run but are probably not what was meant
                 print(f"[grpo_dist] {line}", flush=True)
-        trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: any failure leaves config.yaml as it was
+        if cfg.rollout_ranks:  # asynchronous GRPO: a rollout rank serves until the trainers stop it
+            from grpo_dist.async_rollout import run as run_async
+            trainer, served = run_async(cfg, ctx)
+            if trainer is None:
+                code = served if served is not None else 1
+                return code
+        else:
+            trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: a failure leaves config.yaml as it was
         rehearsal = dry_run.DryRun(trainer, given) if cfg.dry_run else None
         if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")
@@ -96,6 +104,9 @@ def main(argv=None) -> int:
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
+    except PeerLost as e:  # async_rollout: a rollout or trainer rank died or hung; the line names it
+        print(f"grpo_dist: {e}", file=sys.stderr, flush=True)
+        code = 1
     except NonFiniteError as e:
         if ctx.is_main:  # an all-reduced verdict: every rank raises the same error
             print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -189,6 +189,13 @@ class GRPOTrainer:
         self._global_group_sizes: list[int] | None = None
         self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
+        # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
+        # PPO ratio is against the sampler's (behaviour) log-probs, as in decoupled PPO
+        self.async_rollouts = None
+        if cfg.rollout_ranks:
+            from grpo_dist.async_rollout import AsyncRollouts
+            self.async_rollouts = AsyncRollouts(cfg, ctx)
+        self.behaviour_ratio = bool(cfg.rollout_ranks and cfg.max_staleness)
 
     # --------------------------------------------------------------------------------------------------- setup
     def _build_replica(self, policy, meta: bool, compute_dtype):
@@ -347,6 +354,8 @@ class GRPOTrainer:
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
+            if self.async_rollouts is not None:  # the first max_staleness + 1 batches go out
+                self.async_rollouts.start(self)
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 self._evaluate_if_due(metrics)
@@ -361,6 +370,8 @@ class GRPOTrainer:
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break
+            if self.async_rollouts is not None:  # not after an error: the peers may be gone; they time out
+                self.async_rollouts.close()
         finally:
             self.logger.close()
             self.completion_log.close()
@@ -444,12 +455,21 @@ class GRPOTrainer:
             if self._global_group_sizes is not None:  # the last round's plan, the same on every rank
                 metrics.update({"curriculum/group_size_min": min(self._global_group_sizes),
                                 "curriculum/group_size_max": max(self._global_group_sizes)})
+        if self.async_rollouts is not None:  # weights of the new version out, the next batch's prompts
+            self.async_rollouts.after_step(self)
+            metrics.update(self.async_rollouts.metrics(time.perf_counter() - t0))
         metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
         return metrics
 
     # ----------------------------------------------------------------------- rollout, grade (dynamic sampling)
     def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
         """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
+        if self.async_rollouts is not None:  # sampled and graded on a rollout rank
+            with timer("rollout"):
+                batch, rewards, per_function, self.rewards.last_errors, decode = self.async_rollouts.receive(self)
+            self._decode_tokens = list(decode)
+            self._last_reward_errors = self._reward_errors(len(rewards))
+            return batch, rewards, per_function
         with timer("rollout"):
             examples = self.sampler.next_batch()
             self._plan_group_sizes()
@@ -820,6 +840,8 @@ class GRPOTrainer:
             sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
         c = logp.shape[1]
         old = old_logp[:, :c] if old_logp is not None else logp.detach()
+        if self.behaviour_ratio and mb.sampler_logprobs is not None:  # stale rollouts: against their sampler
+            old = mb.sampler_logprobs[:, :c].to(logp.dtype)
         ref = ref_logp[:, :c] if ref_logp is not None else None
         is_weights = self._sampler_terms(mb, old, sums if first else None)
         terms = grpo_loss(logp, old, advantages, mb.completion_mask, normaliser=max(normaliser, 1.0),

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import (CPUOffload, FullOptimStateDictConfig, FullSt
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+from grpo_dist import distributed as gdist
 from grpo_dist.engines import clean_name
 from grpo_dist.engines.torch_engine import TorchEngine
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, fill_from_rank0, load_on_rank0_only,
@@ -79,6 +80,7 @@ class FSDPEngine(TorchEngine):
             fill_from_rank0(model, device)
         wrapped = FSDP(
             model,
+            process_group=gdist.group(),  # None: the world; the trainer ranks' own under rollout_ranks > 0
             sharding_strategy=ShardingStrategy[dcfg.sharding_strategy],
             auto_wrap_policy=self._wrap_policy(model, trainable),
             mixed_precision=mp,
@@ -133,7 +135,7 @@ class FSDPEngine(TorchEngine):
         for g in grads:
             squares += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
         if self.ctx.world_size > 1 and self.cfg.distributed.sharding_strategy != "NO_SHARD":
-            dist.all_reduce(squares)  # every rank, whatever its shard holds
+            dist.all_reduce(squares, group=gdist.group())  # every rank, whatever its shard holds
         total = squares.sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -176,7 +178,7 @@ class FSDPEngine(TorchEngine):
             model_sd = self.module.state_dict()
             # torch 2.13's FSDP.optim_state_dict leaves an empty state empty; guarded as DCP's calls are
             with self._optimizer_kept_unstarted() as unstarted:
-                optim_sd = FSDP.optim_state_dict(self.module, self.optimizer)
+                optim_sd = FSDP.optim_state_dict(self.module, self.optimizer, group=gdist.group())
         if not self.ctx.is_main:
             return None, None
         if unstarted:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from grpo_dist import distributed as gdist
 from grpo_dist.engines import checkpoint_layers, clean_name
 from grpo_dist.engines.fsdp import wrap_frozen_reference, wrap_units
 from grpo_dist.engines.torch_engine import TorchEngine
@@ -42,9 +43,11 @@ class FSDP2Engine(TorchEngine):
     # ------------------------------------------------------------------------------------------------ wrapping
     def _wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         dcfg = self.cfg.distributed
-        from torch.distributed.device_mesh import init_device_mesh
-        if not hasattr(self, "_mesh"):
-            self._mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if not hasattr(self, "_mesh"):  # the trainer ranks' own group under asynchronous GRPO (rollout_ranks)
+            self._mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,)) if gdist.group() is None \
+                else DeviceMesh.from_group(gdist.group(), self.ctx.device.type)
         low = MIXED_PRECISION_DTYPES.get(dcfg.mixed_precision)
         # the policy computes in `low` from fp32 shards, gradients reduced in fp32; the reference stores `low`
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if trainable and low \
@@ -87,7 +90,7 @@ class FSDP2Engine(TorchEngine):
                 if b.device != self.ctx.device:
                     b.data = b.data.to(self.ctx.device)
         for b in model.buffers():
-            dist.broadcast(b.data, src=0)
+            dist.broadcast(b.data, src=0, group=gdist.group())
         rank, world = self.ctx.rank, self.ctx.world_size
         for name, p in model.named_parameters():  # the same order on every rank; a tied weight once
             shard = p.to_local() if isinstance(p, DTensor) else p
@@ -95,7 +98,7 @@ class FSDP2Engine(TorchEngine):
                 t = full[name].to(device=self.ctx.device, dtype=p.dtype)
             else:
                 t = torch.empty(p.shape, dtype=p.dtype, device=self.ctx.device)
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=0, group=gdist.group())
             if isinstance(p, DTensor):  # fully_shard's Shard(0): torch.chunk's pieces, empty past the last one
                 pieces = torch.chunk(t, world, dim=0)
                 t = pieces[rank] if rank < len(pieces) else t[:0]

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from grpo_dist import distributed as gdist
 from grpo_dist.engines import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import decoder_layer_classes
 
@@ -116,7 +117,7 @@ class TorchEngine(Engine):
             state = self._sharded_state()
             # DCP needs an entry for every parameter: the filler state is written, and this flag says to drop it
             state[OPTIMIZER_STARTED] = torch.tensor(int(not unstarted))
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(state, checkpoint_id=str(path), process_group=gdist.group())
 
     def load_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -126,7 +127,7 @@ class TorchEngine(Engine):
             flagged = OPTIMIZER_STARTED in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
             if flagged:  # checkpoints written before the flag have none (their state is what they hold)
                 state[OPTIMIZER_STARTED] = torch.tensor(1)
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), process_group=gdist.group())
             started = bool(state.pop(OPTIMIZER_STARTED, torch.tensor(1)))
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])

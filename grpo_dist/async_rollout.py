@@ -1,0 +1,376 @@
+"""Asynchronous GRPO (config keys rollout_ranks, max_staleness; docs/async.md): of the W ranks, the first
+T = W - R train (their own process group: FSDP / FSDP2, every trainer collective of grpo_dist.distributed), the
+last R only generate and grade. The trainers keep the data cursor (PromptSampler) and checkpoints; a rollout rank
+keeps no state but the weights of the last version it received.
+
+Process groups, created by every rank in this order (setup):
+    trainer  ranks 0 .. T-1               FSDP and the trainer's all-reduces
+    rollout  ranks T .. W-1               (nothing yet: room for vLLM tensor parallelism)
+    sync     rank 0 and ranks T .. W-1    the weight broadcast (nccl on CUDA, gloo on CPU)
+    control  all ranks, gloo              headers and prompts out, completions back (pickled, point to point,
+                                          queued: a sender never blocks on its receiver)
+Trainer t sends its prompts to rollout rank T + t mod R; a rollout rank serves its trainers in rank order.
+
+The protocol, for steps s = 0 .. N-1 and staleness k (batch j is the prompts of step j; H = a header from
+rank 0 to every rollout rank: the version batch j is sampled with; when the version is new the weights follow as
+broadcasts on the sync group; -1 stops):
+
+    trainer t (rank 0 broadcasts)                        rollout rank T + t mod R
+    -----------------------------                        ------------------------
+    for j in 0 .. min(k, N-1):                            loop:
+        [t = 0] H(version 0, weights once) ------------->     recv H; -1: stop; new version: recv the weights
+        send prompts of batch j ------------------------->     recv prompts of batch j (per served trainer)
+    for s in 0 .. N-1:                                         generate on its weights, grade (reward machinery)
+        recv completions of batch s  <--------------------     send completions + version + behaviour log-probs
+        drop them if s - version > k (counted)
+        learn (one optimizer step): version s + 1
+        if s + k + 1 < N:
+            [t = 0] H(version s + 1, weights) ----------->
+            send prompts of batch s + k + 1 -------------->
+    [t = 0] H(-1) ------------------------------------->     stop
+
+Batch j is sampled with version max(0, j - k) and trains at step j: the lag is min(j, k) <= k, and no prompt is
+sampled only to be dropped. With k = 0 this is the colocated order exactly (sync, sample, grade, learn), and with
+the per-prompt sampling noise (sampling_noise.py) a rollout rank draws what the trainer itself would have drawn:
+the same weights and optimizer state, bitwise. Every blocking wait has distributed.timeout_s; a wait that fails
+raises PeerLost, one line naming this rank, the peer and what was awaited.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grpo_dist import distributed as gdist
+from grpo_dist.config import ConfigError
+
+STOP = -1
+
+
+class PeerLost(RuntimeError):
+    """A wait on another rank ran past distributed.timeout_s or the peer went away (the message names both)."""
+
+
+@dataclass
+class Roles:
+    """This rank's part in an asynchronous run, and the process groups of the module docstring."""
+    trainers: int           # T
+    rollouts: int           # R
+    rank: int               # global
+    timeout_s: float
+    trainer_group: Any
+    rollout_group: Any
+    sync_group: Any
+    control_group: Any
+    device: torch.device
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.trainers
+
+    def rollout_of(self, trainer: int) -> int:
+        return self.trainers + trainer % self.rollouts
+
+    def served(self) -> list[int]:
+        """The trainer ranks this rollout rank samples for (none where R > T)."""
+        return [t for t in range(self.trainers) if self.rollout_of(t) == self.rank]
+
+
+_ROLES: Roles | None = None
+
+
+def setup(cfg, ctx: gdist.DistContext) -> tuple[Roles, gdist.DistContext]:
+    """Create the groups (a collective of every rank) and point grpo_dist.distributed at the trainer group.
+    Returns the roles and the context the trainer is built with (its world: the trainer ranks)."""
+    global _ROLES
+    problems = cfg.async_problems(ctx.world_size)
+    if problems:
+        raise ConfigError(problems[0], problems)
+    W, R = ctx.world_size, cfg.rollout_ranks
+    T = W - R
+    timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
+    trainer = dist.new_group(list(range(T)), timeout=timeout)
+    rollout = dist.new_group(list(range(T, W)), timeout=timeout)
+    sync = dist.new_group([0, *range(T, W)], timeout=timeout)  # the default backend: nccl on CUDA, gloo on CPU
+    control = dist.new_group(list(range(W)), timeout=timeout, backend="gloo")  # small pickled messages
+    _ROLES = Roles(T, R, ctx.rank, float(cfg.distributed.timeout_s), trainer, rollout, sync, control, ctx.device)
+    if _ROLES.is_trainer:
+        gdist.use_group(trainer)
+    return _ROLES, replace(ctx, world_size=T if _ROLES.is_trainer else R)
+
+
+def roles() -> Roles:
+    if _ROLES is None:
+        raise RuntimeError("async_rollout.setup() must run before an asynchronous trainer is built")
+    return _ROLES
+
+
+# ------------------------------------------------------------------------------------------------- transport
+def _wait(work, roles_: Roles, what: str, peer: int) -> None:
+    try:
+        ok = work.wait(datetime.timedelta(seconds=roles_.timeout_s))
+    except RuntimeError as e:
+        raise PeerLost(_lost_line(roles_, what, peer, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")) \
+            from None
+    if ok is False:
+        raise PeerLost(_lost_line(roles_, what, peer, "timed out"))
+
+
+def _lost_line(roles_: Roles, what: str, peer: int, why: str) -> str:
+    side = "trainer" if roles_.is_trainer else "rollout"
+    return (f"rank {roles_.rank} ({side}) waited up to {roles_.timeout_s:g} s (distributed.timeout_s) for {what} "
+            f"from rank {peer} and stopped: {why}")
+
+
+_OUTBOX: list[tuple] = []  # sends not yet taken: (work, buffer, what, peer); the buffers must live until then
+
+
+def send_obj(obj, dst: int, roles_: Roles, what: str) -> None:
+    """Queue a pickled message to rank dst and go on: a send that waited for its receiver could deadlock against
+    the weight broadcast (the receiver busy generating, the sender blocked). flush() waits for what is queued."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    for t in (size, data):
+        _OUTBOX.append((dist.isend(t, dst, group=roles_.control_group), t, what, dst))
+    _OUTBOX[:] = [item for item in _OUTBOX if not item[0].is_completed()]
+
+
+def flush(roles_: Roles) -> None:
+    """Wait (up to the timeout each) until every queued message was taken."""
+    while _OUTBOX:
+        work, _, what, dst = _OUTBOX.pop(0)
+        _wait(work, roles_, f"{what} to be taken", dst)
+
+
+def recv_obj(src: int, roles_: Roles, what: str):
+    size = torch.zeros(1, dtype=torch.long)
+    _wait(dist.irecv(size, src, group=roles_.control_group), roles_, what, src)
+    data = torch.empty(int(size[0]), dtype=torch.uint8)
+    _wait(dist.irecv(data, src, group=roles_.control_group), roles_, what, src)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _broadcast(t: torch.Tensor, roles_: Roles, what: str) -> None:
+    work = dist.broadcast(t, src=0, group=roles_.sync_group, async_op=True)
+    _wait(work, roles_, what, 0)
+
+
+# --------------------------------------------------------------------------------------------- trainer side
+class AsyncRollouts:
+    """The trainer's end: sends prompt batches and weights, receives graded completions (module docstring)."""
+
+    def __init__(self, cfg, ctx: gdist.DistContext):
+        self.cfg, self.ctx, self.roles = cfg, ctx, roles()
+        self.k = cfg.max_staleness
+        self.version = 0          # the trainer's policy version: optimizer steps taken
+        self.sent_version: int | None = None  # the last version broadcast (every trainer tracks it)
+        self.manifest: list[tuple[str, tuple, torch.dtype]] | None = None
+        self.next_batch = 0       # the batch (step) whose prompts go out next
+        self.received = 0         # batches whose completions came back
+        self.pending: dict[int, object] = {}
+        self.stats: dict[str, Any] = dict(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0,
+                                          rollout_idle=0.0, rollout_busy=0.0)
+        self.started = self.closed = False
+
+    @property
+    def peer(self) -> int:
+        return self.roles.rollout_of(self.ctx.rank)
+
+    def start(self, trainer) -> None:
+        """The first k + 1 batches, all sampled with version 0 (the loaded policy)."""
+        self.version = trainer.step
+        self.next_batch = self.received = trainer.step
+        self.started = True
+        while self.next_batch <= trainer.step + self.k and self.next_batch < self.cfg.max_steps:
+            self._send_batch(trainer)
+
+    def after_step(self, trainer) -> None:
+        """After the optimizer step of step s: version s + 1, and the prompts of batch s + k + 1."""
+        self.version = trainer.step
+        if self.next_batch < self.cfg.max_steps:
+            self._send_batch(trainer)
+
+    def _send_batch(self, trainer) -> None:
+        self._sync_weights(trainer, self.version)
+        examples = trainer.sampler.next_batch()  # the data cursor stays with the trainers
+        message = dict(batch=self.next_batch, batch_number=trainer.sampler.last_batch_number,
+                       indices=list(trainer.sampler.last_prompt_indices), examples=examples)
+        send_obj(message, self.peer, self.roles, f"the prompts of batch {self.next_batch}")
+        self.next_batch += 1
+
+    def _sync_weights(self, trainer, version: int) -> None:
+        """Header (version) on the sync group, then the weights when they are new. Every trainer rank runs
+        iter_full_weights (a collective of the trainer group under FSDP); rank 0 broadcasts."""
+        from grpo_dist.rollout_engines import rollout_dtype
+        main = self.ctx.rank == 0
+        t0 = time.perf_counter()
+        new = version != self.sent_version
+        if new and self.manifest is None:  # once: names, shapes and dtypes, so the rollout ranks can receive
+            self.manifest = [(n, tuple(t.shape), t.dtype) for n, t in
+                             trainer.engine.iter_full_weights(rollout_dtype(self.cfg))]
+            if main:
+                for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
+                    send_obj(self.manifest, dst, self.roles, "the weight manifest")
+        if main:
+            self._header(version)
+        if new:
+            nbytes = 0
+            for _, t in trainer.engine.iter_full_weights(rollout_dtype(self.cfg)):
+                if main:
+                    t = t.contiguous()
+                    _broadcast(t, self.roles, "the weight broadcast")
+                    nbytes += t.numel() * t.element_size()
+            self.sent_version = version
+            self.stats["sync_bytes"] += nbytes
+        self.stats["sync_s"] += time.perf_counter() - t0
+
+    def receive(self, trainer):
+        """(batch, rewards, per_function, reward errors) of the current step, sampled and graded on the rollout
+        rank; a batch older than max_staleness is dropped (counted) and this rank trains no row this step."""
+        step = trainer.step
+        t0 = time.perf_counter()
+        msg = recv_obj(self.peer, self.roles, f"the completions of batch {step}")
+        self.stats["wait_s"] += time.perf_counter() - t0
+        self.received += 1
+        if msg["batch"] != step:
+            raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {step}, got batch "
+                               f"{msg['batch']} (protocol out of order)")
+        self.stats["rollout_idle"], self.stats["rollout_busy"] = msg["idle_s"], msg["busy_s"]
+        batch, rewards, per_function = msg["rollout"], msg["rewards"], msg["per_function"]
+        lag = step - msg["version"]
+        self.stats["lags"].append(lag)
+        if not accepted(lag, self.k):
+            self.stats["dropped"] += len(rewards)
+            keep: list[int] = []
+            batch = batch.rows(keep)
+            rewards, per_function = [], {name: [] for name in per_function}
+        return batch, rewards, per_function, msg["errors"], msg["decode"]
+
+    def metrics(self, step_time_s: float) -> dict:
+        """async/* of this step over the trainer ranks (two all-reduces, every trainer rank)."""
+        s, dev = self.stats, self.ctx.device
+        lags = s["lags"]
+        total = gdist.all_reduce_sum([float(sum(lags)), float(len(lags)), float(s["dropped"]),
+                                      s["wait_s"], step_time_s], dev)
+        mx = gdist.all_reduce_max([float(max(lags, default=0))], dev)
+        busy = s["rollout_idle"] + s["rollout_busy"]
+        out = {"async/lag_mean": float(total[0] / max(float(total[1]), 1.0)), "async/lag_max": float(mx[0]),
+               "async/dropped": float(total[2]), "async/weight_sync_s": s["sync_s"],
+               "async/weight_sync_bytes": float(s["sync_bytes"]),
+               "async/trainer_idle_fraction": float(total[3] / max(float(total[4]), 1e-9)),
+               "async/rollout_idle_fraction": s["rollout_idle"] / busy if busy else 0.0}
+        self.stats.update(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0)
+        return out
+
+    def close(self) -> None:
+        """Take what is still in flight (a run that stopped early), then stop the rollout ranks."""
+        if self.closed or not self.started:
+            return
+        self.closed = True
+        while self.received < self.next_batch:  # a stop before max_steps: k batches may be in flight
+            recv_obj(self.peer, self.roles, "completions still in flight at the end")
+            self.received += 1
+        if self.ctx.rank == 0:
+            self._header(STOP)
+        flush(self.roles)
+
+    def _header(self, version: int) -> None:
+        """To every rollout rank, ahead of each batch: the version to sample it with (STOP: the end)."""
+        for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
+            send_obj(version, dst, self.roles, f"the version header {version}")
+
+
+def accepted(lag: int, max_staleness: int) -> bool:
+    """A completion sampled `lag` optimizer steps ago trains only within the staleness bound."""
+    return 0 <= lag <= max_staleness
+
+
+# --------------------------------------------------------------------------------------------- rollout side
+def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
+    """A rollout rank's whole life: build the replica, the engine and the reward functions, then answer batches
+    until the stop header. Returns the exit code."""
+    from grpo_dist import faults
+    from grpo_dist.data import render_prompt
+    from grpo_dist.decoder import prepare_replica
+    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer
+    from grpo_dist.rewards import RewardComputer
+    from grpo_dist.rewards.batch import rollout_context
+    from grpo_dist.rollout import eos_token_ids
+    from grpo_dist.rollout_engines import SamplingSpec, build_rollout_engine, generate_batch, tied_aliases
+    from grpo_dist.sampling_noise import row_seeds
+    from grpo_dist.trainer import reward_dtype
+
+    tokenizer = load_tokenizer(cfg.model)
+    policy = load_model(cfg.model, tokenizer)
+    replica = copy_in_dtype(policy, MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)).eval()
+    replica.to(ctx.device).requires_grad_(False)
+    eos = tuple(eos_token_ids(policy, tokenizer))
+    tied = tied_aliases(policy)
+    del policy
+    prepare_replica(replica)
+    engine = build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True)
+    rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
+                             device=ctx.device, dtype=reward_dtype(cfg), conversational=cfg.data.use_chat_template)
+    served = roles_.served()
+    manifest = recv_obj(0, roles_, "the weight manifest")
+    version: int | None = None
+    idle, busy, j = 0.0, 0.0, 0
+    try:
+        while True:
+            t0 = time.perf_counter()
+            header = recv_obj(0, roles_, f"the version header of batch {j}")
+            if header == STOP:
+                flush(roles_)
+                return 0
+            if header != version:  # a new version: switch weights between generation batches
+                engine.sync_weights(_received_weights(manifest, roles_))
+                version = header
+            for t in served:
+                msg = recv_obj(t, roles_, f"the prompts of batch {j}")
+                idle += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                faults.inject("kill", msg["batch"] + 1, roles_.rank)  # a rollout rank that dies (tests)
+                faults.inject("stop", msg["batch"] + 1, roles_.rank)  # one that hangs
+                examples = msg["examples"]
+                prompts = [render_prompt(e, cfg.data, tokenizer) for e in examples]
+                spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
+                                                              cfg.num_generations)))
+                batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
+                                       cfg.data.max_prompt_length, ctx.device)
+                total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
+                                              cfg.max_completion_length, **rollout_context(examples, batch))
+                decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
+                busy += time.perf_counter() - t1
+                send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
+                              per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
+                              idle_s=idle, busy_s=busy), t, roles_, f"the completions of batch {msg['batch']}")
+                t0 = time.perf_counter()
+            j += 1
+    finally:
+        rewards.close()
+        engine.close()
+
+
+def _received_weights(manifest, roles_: Roles):
+    """The weights trainer rank 0 broadcasts, in its order, into fresh buffers (the engine copies them)."""
+    for name, shape, dtype in manifest:
+        t = torch.empty(shape, dtype=dtype, device=roles_.device)
+        _broadcast(t, roles_, f"the weight {name}")
+        yield name, t
+
+
+def run(cfg, ctx: gdist.DistContext):
+    """For the launcher: (the trainer, None) on a trainer rank, (None, exit code) on a rollout rank once served."""
+    from grpo_dist.trainer import GRPOTrainer
+    roles_, own = setup(cfg, ctx)
+    if roles_.is_trainer:
+        return GRPOTrainer(cfg, own), None
+    return None, serve(cfg, roles_, own)

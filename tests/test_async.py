@@ -1,0 +1,169 @@
+"""Asynchronous GRPO (grpo_dist/async_rollout.py): at max_staleness 0, 1 trainer + 1 rollout rank give bitwise
+the weights and optimizer state of 1 colocated rank; at max_staleness k > 0 the lag of every trained batch is
+within k and the metrics say so; a rollout rank that dies ends the trainer within distributed.timeout_s with one
+line naming it; bad settings are refused at start."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dist_utils import free_port, run_ranks
+from helpers import RESUME_BASE, tensors_equal
+
+STEPS = 3
+BASE = [o for o in RESUME_BASE if not o.startswith(("max_steps", "report_to", "distributed.timeout_s"))] + \
+    ["save_final=false", "report_to=[jsonl]", "distributed.timeout_s=60"]
+
+
+def _train(rank, world_size, overrides, out_dir):
+    from grpo_dist.async_rollout import PeerLost, serve, setup
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    cfg = load_config(None, BASE + overrides + [f"output_dir={out_dir}"])
+    ctx = init_distributed(cfg.distributed.timeout_s)
+    if cfg.rollout_ranks:
+        roles, ctx = setup(cfg, ctx)
+        if not roles.is_trainer:
+            return {"served": serve(cfg, roles, ctx)}
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(cfg, ctx)
+    try:
+        code = trainer.train()
+    except PeerLost as e:
+        return {"lost": str(e), "after_s": time.perf_counter() - t0}
+    sd, osd = trainer.engine.gather_full_state()
+    if rank != 0:
+        return None
+    metrics = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return {"code": code, "model": {k: v.clone() for k, v in sd.items()}, "optim": osd, "metrics": metrics}
+
+
+@pytest.mark.slow
+def test_staleness_0_one_trainer_one_rollout_rank_is_bitwise_colocated(tmp_path):
+    steps = [f"max_steps={STEPS}"]
+    colocated = run_ranks(_train, 1, tmp_path, steps, str(tmp_path / "colocated"))[0]
+    asynchronous = run_ranks(_train, 2, tmp_path, steps + ["rollout_ranks=1", "max_staleness=0"],
+                             str(tmp_path / "async"))
+    assert asynchronous[1] == {"served": 0}  # the rollout rank ran to the stop header
+    a = asynchronous[0]
+    assert colocated["code"] == a["code"] == 0
+    tensors_equal(colocated["model"], a["model"], "model")
+    tensors_equal(colocated["optim"], a["optim"], "optimizer")
+    # the runs must have learned something for the comparison to mean anything
+    assert any(float(m["grad_norm"]) > 0 for m in colocated["metrics"])
+    for c, m in zip(colocated["metrics"], a["metrics"]):
+        assert c["reward_mean"] == m["reward_mean"] and c["loss"] == m["loss"]
+        assert m["async/lag_max"] == 0 and m["async/dropped"] == 0
+    # a version goes out before every batch: step 1 reports versions 0 and 1, step 2 version 2, the last none
+    sent = [m["async/weight_sync_bytes"] for m in a["metrics"]]
+    numel = sum(v.numel() for v in a["model"].values())  # fp32; the tiny model's tied head is sent once
+    assert sent == [2 * sent[1], sent[1], 0] and 0 < sent[1] <= 4 * numel, (sent, numel)
+
+
+@pytest.mark.slow
+def test_staleness_0_two_trainers_two_rollout_ranks_is_bitwise_two_colocated(tmp_path):
+    """FSDP over the trainer group (not the world), two rollout ranks each serving one trainer."""
+    steps = ["max_steps=2", "prompts_per_rank=1"]
+    colocated = run_ranks(_train, 2, tmp_path, steps, str(tmp_path / "colocated"))[0]
+    asynchronous = run_ranks(_train, 4, tmp_path, steps + ["rollout_ranks=2"], str(tmp_path / "async"))
+    assert asynchronous[2] == asynchronous[3] == {"served": 0}
+    a = asynchronous[0]
+    tensors_equal(colocated["model"], a["model"], "model")
+    tensors_equal(colocated["optim"], a["optim"], "optimizer")
+    assert [m["loss"] for m in colocated["metrics"]] == [m["loss"] for m in a["metrics"]]
+
+
+@pytest.mark.slow
+def test_staleness_k_bounds_the_lag_and_trains_on_behaviour_logprobs(tmp_path):
+    k, steps = 2, 4
+    # one iteration: with the policy's own log-probs as "old" every ratio would be exactly 1
+    a = run_ranks(_train, 2, tmp_path, [f"max_steps={steps}", "rollout_ranks=1", f"max_staleness={k}",
+                                        "num_iterations=1"],
+                  str(tmp_path / "async"))[0]
+    lags = [m["async/lag_max"] for m in a["metrics"]]
+    # batch j is sampled with version max(0, j - k) and trains at step j: lag min(j, k), never above k
+    assert lags == [min(j, k) for j in range(steps)]
+    assert [m["async/lag_mean"] for m in a["metrics"]] == lags  # one batch per step on one trainer
+    assert all(m["async/dropped"] == 0 for m in a["metrics"])
+    # a version is sent once: no weights with the first k + 1 batches after the first, then every step
+    sent = [m["async/weight_sync_bytes"] > 0 for m in a["metrics"]]
+    assert sent == [j + k + 1 < steps for j in range(steps)]
+    # the ratio is against the sampler's log-probs (stale by up to k steps): not 1, but near it
+    assert all(m["ratio_mean"] != 1.0 for m in a["metrics"])
+    assert all(abs(m["ratio_mean"] - 1.0) < 0.2 for m in a["metrics"])
+
+
+def test_lag_acceptance_rule():
+    from grpo_dist.async_rollout import accepted
+    assert accepted(0, 0) and accepted(2, 2) and not accepted(3, 2) and not accepted(1, 0)
+    assert not accepted(-1, 2)  # a version newer than the trainer's: a protocol error, never trained
+
+
+def _kill_entry(rank, world_size, port, out_dir, overrides):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        result = _train(rank, world_size, overrides, os.path.join(out_dir, "run"))
+    except BaseException:
+        import traceback
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(tmp_path, fault):
+    timeout = 15
+    env = os.environ.get("GRPO_DIST_FAULT")
+    os.environ["GRPO_DIST_FAULT"] = f"{fault}@step2@rank1"
+    try:
+        ctx = mp.start_processes(_kill_entry, args=(2, free_port(), str(tmp_path),
+                                                    ["max_steps=4", "rollout_ranks=1",
+                                                     f"distributed.timeout_s={timeout}"]),
+                                 nprocs=2, join=False, start_method="spawn")
+    finally:
+        os.environ.pop("GRPO_DIST_FAULT") if env is None else os.environ.update(GRPO_DIST_FAULT=env)
+    deadline = time.time() + 180
+    while ctx.processes[0].is_alive() and time.time() < deadline:
+        time.sleep(0.5)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "lost" in result, result.get("error")
+    line = result["lost"]
+    assert "\n" not in line
+    assert line.startswith("rank 0 (trainer) waited up to 15 s") and "from rank 1" in line
+    assert "the completions of batch 1" in line
+    # step 1 trained, then one wait of at most the timeout (plus the start: models, the first step)
+    assert result["after_s"] < timeout + 60
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout_ranks=1", "max_staleness=1", "epsilon=inf"], "epsilon"),
+    (["max_staleness=1"], "max_staleness"),
+    (["rollout_ranks=-1"], "rollout_ranks"),
+    (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
+    (["rollout_ranks=1", "rollout_engine=vllm"], "rollout_engine"),
+    (["rollout_ranks=1", "dynamic_sampling=true"], "dynamic_sampling"),
+])
+def test_settings_that_cannot_apply_are_refused_at_start(overrides, key):
+    from grpo_dist.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + overrides)
+    assert str(e.value).startswith(f"command line: config key '{key}'")
+    assert "\n" not in str(e.value).split(" (and ")[0]
+
+
+def test_rollout_ranks_must_leave_a_trainer():
+    from grpo_dist.config import load_config
+    cfg = load_config(None, BASE + ["rollout_ranks=2"])
+    assert cfg.async_problems(2)[0].startswith("config key 'rollout_ranks' = 2 leaves no trainer rank")
+    assert cfg.async_problems(3) == []
