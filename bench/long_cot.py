@@ -58,6 +58,7 @@ class ForcedLengths:
     def __init__(self, decoder, targets: list[int], eos: list[int]):
         self.decoder, self.targets, self.eos = decoder, targets, eos
         self.cursor = 0  # the first row of the current chunk
+        self.compactions, self.compaction_s = 0, 0.0  # the cost of compaction itself (KV cache copies)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
@@ -75,8 +76,12 @@ class ForcedLengths:
 
     def compact(self, keep):
         """The decoder drops rows (grpo_dist.compaction: the unfinished ones plus finished fillers up to a bucket
-        size): keep the targets of the rows it keeps, in its order."""
+        size): keep the targets of the rows it keeps, in its order. Timed: the copy is the cost of compaction
+        (on a CPU the copy is synchronous; on a GPU the time would need a synchronize)."""
+        t0 = time.perf_counter()
         self.decoder.compact(keep)
+        self.compaction_s += time.perf_counter() - t0
+        self.compactions += 1
         self.rows = [self.rows[i] for i in keep.tolist()]
 
     def _force(self, logits):
@@ -95,16 +100,18 @@ class ForcedLengths:
         return logits
 
 
-def _configs(has_compaction: bool, budget: int) -> dict[str, list[str]]:
-    """Each configuration's overrides: off (today's path), each lever alone, on (every lever)."""
+def _configs(has_compaction: bool, budget: int, threshold: str | None = None) -> dict[str, list[str]]:
+    """Each configuration's overrides: off (today's path), each lever alone, on (every lever). threshold: the
+    decode_compaction_threshold of the configurations with compaction (None: the key's default)."""
     no_compaction = ["decode_compaction_threshold=null"] if has_compaction else []  # null: compact never
     padded, packed = ["padding_free=false", "micro_batch_size=16"], ["padding_free=true", "micro_batch_size=16"]
     budgeted = ["micro_batch_size=64", f"max_tokens_per_micro_batch={budget}"]
+    compaction = [f"decode_compaction_threshold={threshold}"] if has_compaction and threshold is not None else []
     out = {"off": padded + no_compaction, "padding_free": packed + no_compaction,
            "token_budget": ["padding_free=false"] + budgeted + no_compaction}
     if has_compaction:
-        out["decode_compaction"] = padded  # the key's default
-    out["on"] = ["padding_free=true"] + budgeted
+        out["decode_compaction"] = padded + compaction
+    out["on"] = ["padding_free=true"] + budgeted + compaction
     return out
 
 
@@ -141,10 +148,16 @@ def worker(args) -> None:
     trainer = GRPOTrainer(cfg, ctx)
     eos = list(trainer.sampling_spec().eos_ids)
     make = rollout_engines.make_decoder
-    rollout_engines.make_decoder = lambda *a, **k: ForcedLengths(make(*a, **k), targets, eos)
+    wrappers: list[ForcedLengths] = []
+
+    def forced(*a, **k):
+        wrappers.append(ForcedLengths(make(*a, **k), targets, eos))
+        return wrappers[-1]
+    rollout_engines.make_decoder = forced
     gdist.barrier()
     m = trainer.train_step()
-    mine = {"peak_rss_mib": round(peak_rss_mib(), 1)}
+    mine = {"peak_rss_mib": round(peak_rss_mib(), 1), "compactions": sum(w.compactions for w in wrappers),
+            "compaction_s": round(sum(w.compaction_s for w in wrappers), 4)}
     decode = {"processed": float(m["tokens/processed_decode"]), "useful": float(m["tokens/useful_decode"]),
               "source": "metrics"} if "tokens/processed_decode" in m else None
     per_rank = [None] * world
@@ -163,6 +176,8 @@ def worker(args) -> None:
             "time_s": {"rollout": round(m["time_rollout_s"], 3), "logprobs": round(m.get("time_logprobs_s", 0.0), 3),
                        "update": round(m["time_update_s"], 3), "reward": round(m["time_reward_s"], 3)},
             "tokens": tokens, "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
+            "compactions_per_rank": [r["compactions"] for r in per_rank],
+            "compaction_s_per_rank": [r["compaction_s"] for r in per_rank],
             "completion_length_mean": m["completion_length_mean"], "completion_length_max": m["completion_length_max"],
         }), flush=True)
     # FSDP modules released while the process group lives, then out without the interpreter's teardown (a C++
@@ -200,7 +215,8 @@ def run_config(args, model: str | None, name: str, overrides: list[str], scale: 
     tok = " ".join(f"{k} {v['processed']:.0f}/{v['useful']:.0f}" for k, v in res["tokens"].items())
     print(f"{model or 'tiny'} {name}: rollout {t['rollout']:.1f} s, log-probs {t['logprobs']:.1f} s, update "
           f"{t['update']:.1f} s (sum {res['step_s']:.1f}); tokens computed/needed {tok}; peak RSS per rank "
-          f"{res['peak_rss_mib_per_rank']} MiB", flush=True)
+          f"{res['peak_rss_mib_per_rank']} MiB; compactions per rank {res['compactions_per_rank']} taking "
+          f"{res['compaction_s_per_rank']} s", flush=True)
     return res
 
 
@@ -219,6 +235,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-length", type=int, default=128)
     ap.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch of the 'on' configurations "
                     "(0: 8192, --quick 1024)")
+    ap.add_argument("--threshold", help="decode_compaction_threshold of the configurations with compaction "
+                    "(default: the key's default)")
     ap.add_argument("--all-configs", action=argparse.BooleanOptionalAction, default=None,
                     help="each lever alone too (default: for the tiny model, not for the real one)")
     # worker arguments (one torchrun job)
@@ -246,7 +264,7 @@ def main(argv=None) -> None:
     results: dict = {}
     models = [None] if args.quick else [None, args.model]
     for model in models:
-        configs = _configs(has_compaction, budget)
+        configs = _configs(has_compaction, budget, args.threshold)
         every = args.all_configs if args.all_configs is not None else model is None
         if not every:
             configs = {k: configs[k] for k in ("off", "on")}
@@ -254,7 +272,8 @@ def main(argv=None) -> None:
         results["real" if model else "tiny"] = {"summary": summary(runs), "runs": runs}
     main_runs = results["tiny" if args.quick else "real"]
     print(json.dumps({**main_runs["summary"], "model": "tiny" if args.quick else args.model, "ranks": args.ranks,
-                      "lengths": scale, "budget": budget, "load_average": round(os.getloadavg()[0], 2),
+                      "lengths": scale, "budget": budget,
+                      "threshold": args.threshold, "load_average": round(os.getloadavg()[0], 2),
                       "results": results}), flush=True)
 
 
