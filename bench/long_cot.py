@@ -3,6 +3,7 @@ on and off, at 2 ranks (torchrun, gloo, one thread per rank).
 
     python bench/long_cot.py --model DIR      # DIR: SmolLM2-135M-Instruct's HF directory; the tiny model too
     python bench/long_cot.py --quick          # the tiny model only, short lengths (a smoke run)
+    python bench/long_cot.py --model DIR --no-tiny --prompts 8 --cap 256   # a reduced real-model run
 
 Lengths: lognormal (median 200, p95 900, capped at 1024; --quick: 20 / 90 / 128), one per row of the step's
 16 prompts x G = 8, drawn from a fixed seed; each row gets exactly its length: the decoder is wrapped so that EOS is
@@ -197,7 +198,7 @@ def run_config(args, model: str | None, name: str, overrides: list[str], scale: 
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks), "--rdzv-backend",
            "c10d", "--rdzv-endpoint", "localhost:0", str(Path(__file__).resolve()), "--worker",
-           "--config", json.dumps(overrides), "--prompts-per-rank", str(16 // args.ranks),
+           "--config", json.dumps(overrides), "--prompts-per-rank", str(args.prompts // args.ranks),
            "--num-generations", "8", "--median", str(scale["median"]), "--p95", str(scale["p95"]),
            "--cap", str(scale["cap"]), "--max-prompt-length", str(args.max_prompt_length)]
     if model:
@@ -235,6 +236,10 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-length", type=int, default=128)
     ap.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch of the 'on' configurations "
                     "(0: 8192, --quick 1024)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step, all ranks (G = 8 rows each)")
+    ap.add_argument("--cap", dest="scale_cap", type=int, default=0, help="a reduced run: cap the lengths at N, "
+                    "median and p95 scaled by N / 1024 (0: 1024, --quick 128)")
+    ap.add_argument("--no-tiny", action="store_true", help="with --model: skip the tiny model's runs")
     ap.add_argument("--threshold", help="decode_compaction_threshold of the configurations with compaction "
                     "(default: the key's default)")
     ap.add_argument("--all-configs", action=argparse.BooleanOptionalAction, default=None,
@@ -255,14 +260,16 @@ def main(argv=None) -> None:
     from grpo_dist.config import GRPOConfig
     has_compaction = "decode_compaction_threshold" in GRPOConfig.__dataclass_fields__
     scale = dict(median=20, p95=90, cap=128) if args.quick else dict(median=200, p95=900, cap=1024)
+    if args.scale_cap:
+        scale = dict(median=200 * args.scale_cap / 1024, p95=900 * args.scale_cap / 1024, cap=args.scale_cap)
     budget = args.budget or (1024 if args.quick else 8192)
     # the distribution's own figures, before any run
-    ls = lengths(16 * 8, scale["median"], scale["p95"], scale["cap"])
+    ls = lengths(args.prompts * 8, scale["median"], scale["p95"], scale["cap"])
     print(f"lengths: {len(ls)} rows, median {sorted(ls)[len(ls) // 2]}, p95 {sorted(ls)[int(0.95 * len(ls))]}, "
           f"max {max(ls)}, mean {sum(ls) / len(ls):.1f}; decode lever: "
           f"{'decode_compaction_threshold' if has_compaction else 'none in this config (skipped)'}", flush=True)
     results: dict = {}
-    models = [None] if args.quick else [None, args.model]
+    models = [None] if args.quick else [args.model] if args.no_tiny else [None, args.model]
     for model in models:
         configs = _configs(has_compaction, budget, args.threshold)
         every = args.all_configs if args.all_configs is not None else model is None
@@ -272,7 +279,7 @@ def main(argv=None) -> None:
         results["real" if model else "tiny"] = {"summary": summary(runs), "runs": runs}
     main_runs = results["tiny" if args.quick else "real"]
     print(json.dumps({**main_runs["summary"], "model": "tiny" if args.quick else args.model, "ranks": args.ranks,
-                      "lengths": scale, "budget": budget,
+                      "lengths": scale, "prompts": args.prompts, "budget": budget,
                       "threshold": args.threshold, "load_average": round(os.getloadavg()[0], 2),
                       "results": results}), flush=True)
 
