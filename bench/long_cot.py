@@ -3,7 +3,7 @@ on and off, at 2 ranks (torchrun, gloo, one thread per rank).
 
     python bench/long_cot.py --model DIR      # DIR: SmolLM2-135M-Instruct's HF directory; the tiny model too
     python bench/long_cot.py --quick          # the tiny model only, short lengths (a smoke run)
-    python bench/long_cot.py --model DIR --no-tiny --prompts 8 --cap 256   # a reduced real-model run
+    python bench/long_cot.py --model DIR --no-tiny --prompts 8 --length-cap 256   # a reduced real-model run
 
 Lengths: lognormal (median 200, p95 900, capped at 1024; --quick: 20 / 90 / 128), one per row of the step's
 16 prompts x G = 8, drawn from a fixed seed; each row gets exactly its length: the decoder is wrapped so that EOS is
@@ -237,8 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch of the 'on' configurations "
                     "(0: 8192, --quick 1024)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step, all ranks (G = 8 rows each)")
-    ap.add_argument("--cap", dest="scale_cap", type=int, default=0, help="a reduced run: cap the lengths at N, "
-                    "median and p95 scaled by N / 1024 (0: 1024, --quick 128)")
+    ap.add_argument("--length-cap", dest="scale_cap", type=int, default=0, help="a reduced run: cap the lengths "
+                    "at N, median and p95 scaled by N / 1024 (0: 1024, --quick 128)")
     ap.add_argument("--no-tiny", action="store_true", help="with --model: skip the tiny model's runs")
     ap.add_argument("--threshold", help="decode_compaction_threshold of the configurations with compaction "
                     "(default: the key's default)")
