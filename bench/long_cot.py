@@ -3,6 +3,7 @@ on and off, at 2 ranks (torchrun, gloo, one thread per rank).
 
     python bench/long_cot.py --model DIR      # DIR: SmolLM2-135M-Instruct's HF directory; the tiny model too
     python bench/long_cot.py --quick          # the tiny model only, short lengths (a smoke run)
+    python bench/long_cot.py --model DIR --no-tiny --prompts 8 --length-cap 256   # a reduced real-model run
 
 Lengths: lognormal (median 200, p95 900, capped at 1024; --quick: 20 / 90 / 128), one per row of the step's
 16 prompts x G = 8, drawn from a fixed seed; each row gets exactly its length: the decoder is wrapped so that EOS is
@@ -58,6 +59,7 @@ class ForcedLengths:
     def __init__(self, decoder, targets: list[int], eos: list[int]):
         self.decoder, self.targets, self.eos = decoder, targets, eos
         self.cursor = 0  # the first row of the current chunk
+        self.compactions, self.compaction_s = 0, 0.0  # the cost of compaction itself (KV cache copies)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
@@ -75,8 +77,12 @@ class ForcedLengths:
 
     def compact(self, keep):
         """The decoder drops rows (grpo_dist.compaction: the unfinished ones plus finished fillers up to a bucket
-        size): keep the targets of the rows it keeps, in its order."""
+        size): keep the targets of the rows it keeps, in its order. Timed: the copy is the cost of compaction
+        (on a CPU the copy is synchronous; on a GPU the time would need a synchronize)."""
+        t0 = time.perf_counter()
         self.decoder.compact(keep)
+        self.compaction_s += time.perf_counter() - t0
+        self.compactions += 1
         self.rows = [self.rows[i] for i in keep.tolist()]
 
     def _force(self, logits):
@@ -95,16 +101,18 @@ class ForcedLengths:
         return logits
 
 
-def _configs(has_compaction: bool, budget: int) -> dict[str, list[str]]:
-    """Each configuration's overrides: off (today's path), each lever alone, on (every lever)."""
+def _configs(has_compaction: bool, budget: int, threshold: str | None = None) -> dict[str, list[str]]:
+    """Each configuration's overrides: off (today's path), each lever alone, on (every lever). threshold: the
+    decode_compaction_threshold of the configurations with compaction (None: the key's default)."""
     no_compaction = ["decode_compaction_threshold=null"] if has_compaction else []  # null: compact never
     padded, packed = ["padding_free=false", "micro_batch_size=16"], ["padding_free=true", "micro_batch_size=16"]
     budgeted = ["micro_batch_size=64", f"max_tokens_per_micro_batch={budget}"]
+    compaction = [f"decode_compaction_threshold={threshold}"] if has_compaction and threshold is not None else []
     out = {"off": padded + no_compaction, "padding_free": packed + no_compaction,
            "token_budget": ["padding_free=false"] + budgeted + no_compaction}
     if has_compaction:
-        out["decode_compaction"] = padded  # the key's default
-    out["on"] = ["padding_free=true"] + budgeted
+        out["decode_compaction"] = padded + compaction
+    out["on"] = ["padding_free=true"] + budgeted + compaction
     return out
 
 
@@ -141,10 +149,16 @@ def worker(args) -> None:
     trainer = GRPOTrainer(cfg, ctx)
     eos = list(trainer.sampling_spec().eos_ids)
     make = rollout_engines.make_decoder
-    rollout_engines.make_decoder = lambda *a, **k: ForcedLengths(make(*a, **k), targets, eos)
+    wrappers: list[ForcedLengths] = []
+
+    def forced(*a, **k):
+        wrappers.append(ForcedLengths(make(*a, **k), targets, eos))
+        return wrappers[-1]
+    rollout_engines.make_decoder = forced
     gdist.barrier()
     m = trainer.train_step()
-    mine = {"peak_rss_mib": round(peak_rss_mib(), 1)}
+    mine = {"peak_rss_mib": round(peak_rss_mib(), 1), "compactions": sum(w.compactions for w in wrappers),
+            "compaction_s": round(sum(w.compaction_s for w in wrappers), 4)}
     decode = {"processed": float(m["tokens/processed_decode"]), "useful": float(m["tokens/useful_decode"]),
               "source": "metrics"} if "tokens/processed_decode" in m else None
     per_rank = [None] * world
@@ -163,6 +177,8 @@ def worker(args) -> None:
             "time_s": {"rollout": round(m["time_rollout_s"], 3), "logprobs": round(m.get("time_logprobs_s", 0.0), 3),
                        "update": round(m["time_update_s"], 3), "reward": round(m["time_reward_s"], 3)},
             "tokens": tokens, "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
+            "compactions_per_rank": [r["compactions"] for r in per_rank],
+            "compaction_s_per_rank": [r["compaction_s"] for r in per_rank],
             "completion_length_mean": m["completion_length_mean"], "completion_length_max": m["completion_length_max"],
         }), flush=True)
     # FSDP modules released while the process group lives, then out without the interpreter's teardown (a C++
@@ -182,7 +198,7 @@ def run_config(args, model: str | None, name: str, overrides: list[str], scale: 
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks), "--rdzv-backend",
            "c10d", "--rdzv-endpoint", "localhost:0", str(Path(__file__).resolve()), "--worker",
-           "--config", json.dumps(overrides), "--prompts-per-rank", str(16 // args.ranks),
+           "--config", json.dumps(overrides), "--prompts-per-rank", str(args.prompts // args.ranks),
            "--num-generations", "8", "--median", str(scale["median"]), "--p95", str(scale["p95"]),
            "--cap", str(scale["cap"]), "--max-prompt-length", str(args.max_prompt_length)]
     if model:
@@ -200,7 +216,8 @@ def run_config(args, model: str | None, name: str, overrides: list[str], scale: 
     tok = " ".join(f"{k} {v['processed']:.0f}/{v['useful']:.0f}" for k, v in res["tokens"].items())
     print(f"{model or 'tiny'} {name}: rollout {t['rollout']:.1f} s, log-probs {t['logprobs']:.1f} s, update "
           f"{t['update']:.1f} s (sum {res['step_s']:.1f}); tokens computed/needed {tok}; peak RSS per rank "
-          f"{res['peak_rss_mib_per_rank']} MiB", flush=True)
+          f"{res['peak_rss_mib_per_rank']} MiB; compactions per rank {res['compactions_per_rank']} taking "
+          f"{res['compaction_s_per_rank']} s", flush=True)
     return res
 
 
@@ -219,6 +236,12 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-length", type=int, default=128)
     ap.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch of the 'on' configurations "
                     "(0: 8192, --quick 1024)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step, all ranks (G = 8 rows each)")
+    ap.add_argument("--length-cap", dest="scale_cap", type=int, default=0, help="a reduced run: cap the lengths "
+                    "at N, median and p95 scaled by N / 1024 (0: 1024, --quick 128)")
+    ap.add_argument("--no-tiny", action="store_true", help="with --model: skip the tiny model's runs")
+    ap.add_argument("--threshold", help="decode_compaction_threshold of the configurations with compaction "
+                    "(default: the key's default)")
     ap.add_argument("--all-configs", action=argparse.BooleanOptionalAction, default=None,
                     help="each lever alone too (default: for the tiny model, not for the real one)")
     # worker arguments (one torchrun job)
@@ -237,16 +260,18 @@ def main(argv=None) -> None:
     from grpo_dist.config import GRPOConfig
     has_compaction = "decode_compaction_threshold" in GRPOConfig.__dataclass_fields__
     scale = dict(median=20, p95=90, cap=128) if args.quick else dict(median=200, p95=900, cap=1024)
+    if args.scale_cap:
+        scale = dict(median=200 * args.scale_cap / 1024, p95=900 * args.scale_cap / 1024, cap=args.scale_cap)
     budget = args.budget or (1024 if args.quick else 8192)
     # the distribution's own figures, before any run
-    ls = lengths(16 * 8, scale["median"], scale["p95"], scale["cap"])
+    ls = lengths(args.prompts * 8, scale["median"], scale["p95"], scale["cap"])
     print(f"lengths: {len(ls)} rows, median {sorted(ls)[len(ls) // 2]}, p95 {sorted(ls)[int(0.95 * len(ls))]}, "
           f"max {max(ls)}, mean {sum(ls) / len(ls):.1f}; decode lever: "
           f"{'decode_compaction_threshold' if has_compaction else 'none in this config (skipped)'}", flush=True)
     results: dict = {}
-    models = [None] if args.quick else [None, args.model]
+    models = [None] if args.quick else [args.model] if args.no_tiny else [None, args.model]
     for model in models:
-        configs = _configs(has_compaction, budget)
+        configs = _configs(has_compaction, budget, args.threshold)
         every = args.all_configs if args.all_configs is not None else model is None
         if not every:
             configs = {k: configs[k] for k in ("off", "on")}
@@ -254,7 +279,8 @@ def main(argv=None) -> None:
         results["real" if model else "tiny"] = {"summary": summary(runs), "runs": runs}
     main_runs = results["tiny" if args.quick else "real"]
     print(json.dumps({**main_runs["summary"], "model": "tiny" if args.quick else args.model, "ranks": args.ranks,
-                      "lengths": scale, "budget": budget, "load_average": round(os.getloadavg()[0], 2),
+                      "lengths": scale, "prompts": args.prompts, "budget": budget,
+                      "threshold": args.threshold, "load_average": round(os.getloadavg()[0], 2),
                       "results": results}), flush=True)
 
 

@@ -6,11 +6,17 @@ With it, once the finished fraction of the rows still in the decode batch reache
 only the unfinished rows: its KV cache, positions and masks (LeanDecoder.compact, HFDecoder.compact) and the loop's
 per-row state (row map, done flags, sampling noise) are indexed down to them.
 
-The batch shrinks to a bucket size, not to the exact count of unfinished rows: a multiple of BUCKET_MULTIPLE (or
-the batch itself), the extra places filled with finished rows whose outputs are dropped. Buckets keep the number of
-distinct decode shapes small (one CUDA graph each: decoder.CUDAGraphStep) and keep the batched matmuls on the
-kernels of the full batch (measured on CPU: fp32 linear layers of 1-3 rows take another kernel than 16 rows and
-differ in the last bits; 5+ rows gave the 16-row bits).
+The batch shrinks to a bucket size, not always to the exact count of unfinished rows, the extra places filled with
+finished rows whose outputs are dropped (they are counted as computed: tokens/processed_decode). Two reasons:
+- MIN_ROWS: fp32 linear layers of 1-3 rows take another CPU kernel than larger batches and differ from them in the
+  last bits (measured, torch 2.13 CPU, SmolLM2's and the tiny model's shapes: 4+ rows give the 64-row bits), so a
+  batch never shrinks below 4 rows;
+- granularity: from 16 unfinished rows up, the bucket is a multiple of the largest power of two <= alive / 8 (16-31
+  rows: even counts, 32-63: multiples of 4, ...), so a bucket wastes under 1/8 of its rows while the number of
+  distinct decode shapes (one CUDA graph each: decoder.CUDAGraphSteps) stays about 8 per doubling of the batch.
+Both were picked by bench/long_cot.py --quick (decode padding 23.5 % with the former multiples of 8 and threshold
+0.25, 8.4 % with these and 0.125; docs/long-completions.md); a compaction copies the kept rows' KV cache once,
+which costs about one decode step's attention read.
 
 Tokens and log-probs do not change: each row's draws come from its own noise (grpo_dist.sampling_noise), and a
 row's arithmetic does not depend on the other rows of the batch.
@@ -22,13 +28,14 @@ import math
 
 import torch
 
-BUCKET_MULTIPLE = 8
+MIN_ROWS = 4  # the smallest decode batch (fp32 matmuls of 1-3 rows differ in the last bits: see above)
 
 
 def bucket_size(alive: int, batch: int) -> int:
-    """The decode batch for `alive` unfinished rows out of `batch`: alive rounded up to a multiple of
-    BUCKET_MULTIPLE, at most batch."""
-    return min(batch, max(1, math.ceil(alive / BUCKET_MULTIPLE)) * BUCKET_MULTIPLE)
+    """The decode batch for `alive` unfinished rows out of `batch`: at least MIN_ROWS, alive rounded up to a
+    multiple of the largest power of two <= alive / 8 (1 below 16 rows), at most batch."""
+    step = 1 << max(0, (alive // 8).bit_length() - 1)
+    return min(batch, max(MIN_ROWS, math.ceil(alive / step) * step))
 
 
 def buckets(batch: int) -> list[int]:

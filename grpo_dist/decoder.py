@@ -331,10 +331,11 @@ class CUDAGraphSteps:
     """LeanDecoder's decode steps replayed from CUDA graphs: a decode step is ~30 small kernels per layer, and at
     small models the host cannot launch them as fast as the GPU runs them. One graph of static_step per decode
     batch size (compaction's buckets, grpo_dist.compaction) and attention width (LeanDecoder.attention_width),
-    captured the first time that pair decodes after a prefill (a rollout meets about rows / 8 + length / 64 of
-    them), on the decoder's own buffers (compaction moves rows inside them, so their addresses hold); the inputs go
-    through static buffers. A new prefill allocates new caches: the graphs are dropped and captured again. The
-    graphs run the eager step's arithmetic, so lean_cuda_graphs does not change what is sampled.
+    captured the first time that pair decodes after a prefill (a rollout meets up to ~8 batch sizes per halving of
+    its rows, and length / 64 widths), on the decoder's own buffers (compaction moves rows inside them, so their
+    addresses hold); the inputs go through static buffers. A new prefill allocates new caches: the graphs are
+    dropped and captured again. The graphs run the eager step's arithmetic, so lean_cuda_graphs does not change
+    what is sampled.
     capture=False: static_step runs eagerly on the same buffers (no CUDA needed)."""
 
     def __init__(self, decoder: LeanDecoder, capture: bool = True):

@@ -3,8 +3,6 @@ log-probs equal those of the uncompacted loop on the lean and hf decoders, greed
 SmolLM2, with each row's length forced by EOS placement; the rows computed follow the bucket arithmetic written out
 here; the trainer logs tokens/processed_decode and tokens/useful_decode summed over ranks."""
 
-import math
-
 import pytest
 import torch
 
@@ -23,22 +21,39 @@ TINY = ModelConfig(tiny=dict(hidden_size=32, num_hidden_layers=2, num_attention_
                              intermediate_size=64))
 
 
+def written_out_bucket(alive: int, batch: int) -> int:
+    """The bucket, written out: at least 4 rows (fp32 matmuls of 1-3 rows differ in the last bits on a CPU); below
+    16 rows the exact count; 16-31 rows: even; 32-63: multiples of 4; 64-127: of 8 (so under 1/8 of a bucket is
+    filler); at most the batch."""
+    step = 1 if alive < 16 else 2 if alive < 32 else 4 if alive < 64 else 8 if alive < 128 else 16
+    return min(batch, max(4, -(-alive // step) * step))
+
+
 def test_bucket_and_keep_arithmetic():
-    assert [bucket_size(n, 30) for n in (1, 7, 8, 9, 17, 24, 25, 30)] == [8, 8, 8, 16, 24, 24, 30, 30]
-    assert bucket_size(3, 5) == 5 and buckets(20) == [20, 16, 8]
+    assert [bucket_size(n, 30) for n in (1, 3, 4, 7, 15, 16, 17, 25, 29, 30)] == [4, 4, 4, 7, 15, 16, 18, 26, 30, 30]
+    assert [bucket_size(n, 200) for n in (33, 63, 64, 65, 127, 128, 129)] == [36, 64, 64, 72, 128, 128, 144]
+    assert bucket_size(3, 3) == 3 and bucket_size(2, 3) == 3
+    for batch in (1, 5, 24, 64, 130):
+        assert [bucket_size(n, batch) for n in range(1, batch + 1)] == \
+            [written_out_bucket(n, batch) for n in range(1, batch + 1)]
+        for n in range(16, batch + 1):  # fillers: under 1/8 of the bucket
+            assert bucket_size(n, batch) - n < bucket_size(n, batch) / 8
+    assert buckets(20) == [20, 18, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4]
     done = torch.tensor([True, False, True, True, False, True])
     assert keep_rows(done, 3).tolist() == [0, 1, 4]        # both unfinished rows, then the first finished one
-    assert should_compact(2, 10, 0.25) is None             # 20 % finished: below the threshold
-    assert should_compact(3, 10, 0.25) == 8                # 7 unfinished -> 8 rows
-    assert should_compact(5, 20, 0.25) == 16               # 15 unfinished -> 16 rows
+    assert should_compact(1, 10, 0.125) is None            # 10 % finished: below the threshold
+    assert should_compact(2, 10, 0.125) == 8               # 8 unfinished -> 8 rows
+    assert should_compact(3, 20, 0.125) == 18              # 17 unfinished -> 18 rows
     assert should_compact(12, 20, 0.25) == 8 and should_compact(12, 20, None) is None
-    assert should_compact(1, 8, 0.1) is None               # 7 unfinished -> 8 rows: no smaller bucket
+    assert should_compact(9, 10, 0.5) == 4                 # 1 unfinished -> 4 rows (the floor)
+    assert should_compact(1, 4, 0.1) is None               # 3 unfinished -> 4 rows: no smaller bucket
+    assert should_compact(3, 32, 0.1) is None and should_compact(3, 32, 0.09375) == 30  # 29 -> 30
 
 
 def expected_row_steps(lengths: list[int], threshold: float | None) -> int:
     """The decode rows computed, written out: each step computes the rows in the batch; after the step, when the
-    finished ones are >= threshold of them, the batch shrinks to the unfinished rows rounded up to a multiple of 8
-    (at most the batch); the loop ends when every row has finished."""
+    finished ones are >= threshold of them, the batch shrinks to written_out_bucket(unfinished rows); the loop
+    ends when every row has finished."""
     batch, total = len(lengths), 0
     for t in range(max(lengths)):
         total += batch
@@ -46,7 +61,7 @@ def expected_row_steps(lengths: list[int], threshold: float | None) -> int:
         if alive == 0:
             break
         if threshold is not None and batch - alive >= threshold * batch:
-            batch = min(batch, math.ceil(alive / 8) * 8)
+            batch = written_out_bucket(alive, batch)
     return total
 
 
@@ -62,7 +77,7 @@ def _loop(decoder, ids, mask, repeats, lengths, eos, pad, *, do_sample, threshol
 
 
 def check_compaction_changes_nothing(model, tok, make, lengths, prompts=((5, 6, 7), (9, 10, 11, 12, 13), (14,)),
-                                     modes=(False, True), thresholds=(0.25, 0.5)):
+                                     modes=(False, True), thresholds=(0.125, 0.25, 0.5)):
     """Rows of 3 prompts (G each), lengths forced: compaction at each threshold against none, greedy (False) and
     sampled (True)."""
     G = len(lengths) // len(prompts)
@@ -89,7 +104,7 @@ def check_compaction_changes_nothing(model, tok, make, lengths, prompts=((5, 6, 
                 assert decoder.cache[0][0].shape[0] < len(lengths) == decoder._buffers[0][0].shape[0]
 
 
-# long-tailed: most rows stop early, a few run to the cap (24 rows: buckets 24, 16, 8)
+# long-tailed: most rows stop early, a few run to the cap (24 rows; at 0.125 the batch goes 24, 20, 14, 10, 8, 6, 5, 4)
 LENGTHS = [1, 3, 2, 18, 4, 2, 6, 1, 30, 5, 2, 3, 7, 2, 1, 9, 2, 4, 3, 26, 2, 5, 1, 3]
 
 
@@ -109,7 +124,7 @@ def test_smollm2_compaction_gives_the_same_sampled_tokens_and_logprobs(smollm2_d
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     prompts = [tuple(tok(t).input_ids) for t in ("1, 2, 3, 4,", "The capital of France is", "def f(x):")]
     check_compaction_changes_nothing(model, tok, make, [n // 2 + 1 for n in LENGTHS], prompts, modes=(True,),
-                                     thresholds=(0.25,))
+                                     thresholds=(0.125,))
 
 
 def test_threshold_is_validated_before_anything_loads():
@@ -119,7 +134,7 @@ def test_threshold_is_validated_before_anything_loads():
             load_config(None, ["data.preset=arithmetic", f"decode_compaction_threshold={bad}"])
     assert load_config(None, ["data.preset=arithmetic", "decode_compaction_threshold=null"]) \
         .decode_compaction_threshold is None
-    assert load_config(None, ["data.preset=arithmetic"]).decode_compaction_threshold == 0.25
+    assert load_config(None, ["data.preset=arithmetic"]).decode_compaction_threshold == 0.125
 
 
 OVERRIDES = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
@@ -134,7 +149,7 @@ def _step_with_forced_lengths(rank, world):
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
-    cfg = load_config(None, OVERRIDES + ["prompts_per_rank=2", "decode_compaction_threshold=0.25"])
+    cfg = load_config(None, OVERRIDES + ["prompts_per_rank=2", "decode_compaction_threshold=0.125"])
     tr = GRPOTrainer(cfg, init_distributed(60))
     lengths = torch.tensor([[1, 2, 12, 3, 1, 5, 2, 1, 3, 1, 2, 6, 1, 1, 2, 4],
                             [4, 4, 1, 12, 2, 2, 9, 1, 1, 1, 1, 1, 1, 12, 2, 3]][rank])
@@ -147,7 +162,7 @@ def _step_with_forced_lengths(rank, world):
 
 def test_trainer_logs_decode_tokens_summed_over_ranks(tmp_path):
     (m0, l0), (m1, l1) = run_ranks(_step_with_forced_lengths, 2, tmp_path)
-    want = expected_row_steps(l0, 0.25) + expected_row_steps(l1, 0.25)
+    want = expected_row_steps(l0, 0.125) + expected_row_steps(l1, 0.125)
     assert want < 2 * 16 * 12  # compaction took rows out on both ranks
     for m in (m0, m1):
         assert m["tokens/useful_decode"] == sum(l0) + sum(l1)

@@ -84,7 +84,7 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     # every row got exactly its drawn length (EOS forced), so the figures are those of that distribution
     assert lg["lengths_forced"] and lg["completion_length_mean"] == pytest.approx(sum(targets) / len(targets))
     assert lg["completion_length_max"] == max(targets)
-    assert lg["padding_free"] is True and lg["decode_compaction_threshold"] == 0.25  # the levers on (the default)
+    assert lg["padding_free"] is True and lg["decode_compaction_threshold"] == 0.125  # the levers on (the default)
     assert all(lg[k] > 0 for k in ("rollout_s", "logprobs_s", "update_s")) and lg["peak_rss_mib"] > 0
     assert (lg["peak_gib"] is None) == (lg["device"] == "cpu")  # max_memory_allocated on CUDA only
     for p in ("decode", "reference", "old", "train"):

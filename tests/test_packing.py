@@ -1,6 +1,7 @@
 """Padding-free passes (grpo_dist/packing.py, padding_free): packed rows attend only to their own sequence (and the
 use_cache trap that breaks that), the packed layout, and per-token log-probs, entropies, the loss and its gradient
-equal to the padded path's (fp32, max abs difference <= 1e-5) on the tiny and the real model; through the trainer
+equal to the padded path's (max abs difference <= 1e-5: fp32 on the tiny model, float64 on the real one, whose
+padded path is farther than that from the truth in fp32, see its test); through the trainer
 for every loss_type, GSPO, LoRA, kl_in_reward and num_iterations = 2, with the tokens/* metrics written out."""
 
 import pytest
@@ -122,14 +123,13 @@ def _compare_paths(model, mb, temperature=0.9):
     return diffs, out
 
 
-def _check(diffs, tol=None):
-    """Every difference within TOL (tol: per key, for the real model's fp32 noise floor)."""
-    tol = tol or {}
+def _check(diffs):
+    """Every difference within TOL."""
     for k, v in diffs.items():
         if k.startswith("grad_max/"):
             assert v > 1e-4, f"{k}: the gradient is ~0, the comparison proves nothing"
         else:
-            assert v <= tol.get(k.split("/")[0], TOL), (k, v)
+            assert v <= TOL, (k, v)
 
 
 def _alone(model, mb, temperature=0.9):
@@ -168,12 +168,24 @@ def _real_batch(n=6, seed=5):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # ~100 s each on the 2-core box (float64 forwards and 12 backwards of the 135M model)
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
+    """The issue's bar, 1e-5 on per-token log-probs, entropies, every loss and its gradient, compared in float64.
+
+    Why not fp32: the padded path is the one off. A left-padded row attends over all the micro-batch's columns,
+    the padded ones masked; sdpa (and eager alike) then reduce softmax and probs @ V over more columns, in another
+    blocking and order, than that row's own forward does, and 30 layers take that ~1e-7 relative difference to
+    ~6e-5 in log-probs of up to ~25 (measured: 5.9e-5 padded vs each row's own unpadded forward, the first layer
+    already 1e-5 off in its hidden state; rows without padding in the same padded batch match their own forward
+    bitwise; packed rows match them bitwise, since each sequence runs its own causal sdpa over its own columns).
+    In float64 that rounding is ~1e-14, so what is left to compare is the masking itself. The fp32 check that
+    does apply: the packed log-probs are within 1e-5 of each row's own fp32 forward (the truth)."""
     from transformers import AutoModelForCausalLM
 
     from grpo_dist.config import LoraConfig
     from grpo_dist.lora import apply_lora
+    from grpo_dist.packing import completion_forward
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     assert model.config._attn_implementation == "sdpa"
     if lora_r:
@@ -183,22 +195,16 @@ def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
                 if ".lora_B." in name:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.02)
     mb = _real_batch()
-    diffs, out = _compare_paths(model.train(), mb)
-    # fp32 through 30 layers: the padded path itself is some 5e-5 away from each row's own unpadded forward (|logp|
-    # up to ~25 on these random tokens), so 1e-5 between two kernels' roundings is below the noise floor. The bar
-    # here: packed no farther from that truth than padded is (+ TOL), per-token differences within twice that
-    # noise, the losses within TOL, the gradients within 1e-4 of their largest entry.
-    truth = _alone(model, mb)
     mask = mb.completion_mask.bool()
-    tol = {}
-    for j, key in enumerate(("logp", "entropy")):
-        noise = float((out[False][j].detach() - truth[j])[mask].abs().max())
-        packed = float((out[True][j].detach() - truth[j])[mask].abs().max())
-        assert packed <= noise + TOL, (key, packed, noise)
-        tol[key] = 2 * noise + TOL
-    grad_max = max(v for k, v in diffs.items() if k.startswith("grad_max/"))
-    tol["grad"] = max(TOL, 1e-4 * grad_max)
-    _check(diffs, tol)
+    from grpo_dist.logprobs import selective_log_probs
+    with torch.no_grad():  # fp32: packed against each row's own forward
+        logits, labels, to_rows = completion_forward(model.eval(), mb, True)
+        packed = to_rows(selective_log_probs(logits, labels, temperature=0.9))
+        truth = _alone(model, mb)[0]
+    assert float((packed - truth)[mask].abs().max()) <= TOL
+    diffs, out = _compare_paths(model.double().train(), mb)
+    assert out[True][0].dtype == torch.float64
+    _check(diffs)  # every difference <= TOL, no noise floor
 
 
 # ------------------------------------------------------------------------------------------- through the trainer
