@@ -111,6 +111,7 @@ class GRPOTrainer:
                                      cfg.seed) if cfg.curriculum.mode != "none" else None
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed,
                                      self.curriculum)
+        self._resume = self._resolve_resume()  # the checkpoint and its trainer_state.json, before any model loads
         sft_examples = load_sft_examples(cfg, self.train_examples, ctx.is_main) if cfg.sft_coef else None
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
@@ -257,23 +258,42 @@ class GRPOTrainer:
             f"data.preset={self.cfg.data.preset} ({split})"
         return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
 
-    def _maybe_resume(self) -> None:
+    def _resolve_resume(self) -> tuple[str | None, str, dict | None]:
+        """(checkpoint path or None, verification note, its trainer_state.json), the same on every rank (one
+        broadcast): rank 0 resolves, verifies (and hashes) the checkpoint and reads its state before any model
+        loads, so what the state alone can refuse stops here."""
         path, note, error, saved = None, "", None, None
-        if self.ctx.is_main:  # rank 0 reads (and hashes) the checkpoint; every rank gets its verdict and state
+        if self.ctx.is_main:
             try:
                 path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
                                                      self.cfg.verify_checkpoint_hashes,
                                                      self.cfg.start_over_if_no_intact_checkpoint)
-                if path is not None:  # before any weight is read: a checkpoint of another model stops here
-                    ckpt.check_model_shape(path, self.hf_model.config, self.cfg.lora)
-                    saved = ckpt.read_trainer_state(path)
+                saved = ckpt.read_trainer_state(path) if path is not None else None
             except (ckpt.CheckpointError, OSError, ValueError) as e:
                 error = str(e)
         path, note, error, saved = gdist.broadcast_object((str(path) if path else None, note, error, saved))
         if error:
             raise ckpt.CheckpointError(error)
+        if saved is not None and self.curriculum is not None and "curriculum" not in saved:
+            raise ConfigError(f"config key 'curriculum.mode' = {self.cfg.curriculum.mode}: checkpoint {path} has "
+                              f"no curriculum statistics (written with curriculum.mode=none); resume with "
+                              f"curriculum.mode=none or start a fresh run")
+        return path, note, saved
+
+    def _maybe_resume(self) -> None:
+        path, note, saved = self._resume
         if path is None:
             return
+        error = None
+        if self.ctx.is_main:  # before any weight is read: a checkpoint of another model stops here
+            try:
+                ckpt.check_model_shape(Path(path), self.hf_model.config, self.cfg.lora)
+            except (ckpt.CheckpointError, OSError, ValueError) as e:
+                error = str(e)
+        error = gdist.broadcast_object(error)
+        if error:
+            raise ckpt.CheckpointError(error)
+        assert saved is not None  # read with the path by _resolve_resume
         if note and self.ctx.is_main:
             print(f"[grpo_dist] {path}: {note}", flush=True)
         # Checked before any weight is read: a different world size resumes only where the state maps onto it.
@@ -292,10 +312,7 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
         self.sampler.load_state_dict(state["sampler"])
-        if self.curriculum is not None:
-            if "curriculum" not in state:
-                raise DataError(f"{path}: the checkpoint has no curriculum statistics (curriculum.mode was none); "
-                                f"resume with curriculum.mode=none or start a fresh run")
+        if self.curriculum is not None:  # a checkpoint without statistics was refused by _resolve_resume
             self.curriculum.load_state_dict(state["curriculum"])
         if self.sft is not None and "sft_sampler" in state:
             self.sft.sampler.load_state_dict(state["sft_sampler"])

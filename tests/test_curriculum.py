@@ -161,6 +161,24 @@ def test_a_missing_difficulty_column_is_refused_before_the_model_loads(tmp_path,
     assert "loading model" not in capsys.readouterr().out
 
 
+def test_resume_with_curriculum_from_a_checkpoint_without_statistics_is_refused_before_the_model_loads(
+        tmp_path, capsys):
+    """A checkpoint written with curriculum.mode=none, resumed with mode online: refused with one line naming the
+    key and the checkpoint, from its trainer_state.json, before the model (or the reward functions) load."""
+    ck = tmp_path / "a" / "checkpoint-1"
+    _in_process(lambda: _trainer([f"output_dir={tmp_path / 'a'}", "curriculum.mode=none", "prompts_per_rank=2",
+                                  "max_steps=1", "save_steps=1"]).train())
+    assert "curriculum" not in json.loads((ck / "trainer_state.json").read_text())
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as e:
+        _in_process(lambda: _trainer([f"output_dir={tmp_path / 'b'}", "prompts_per_rank=2",
+                                      f"resume_from_checkpoint={ck}"]))
+    assert str(e.value) == (f"config key 'curriculum.mode' = online: checkpoint {ck} has no curriculum statistics "
+                            f"(written with curriculum.mode=none); resume with curriculum.mode=none or start a "
+                            f"fresh run")
+    assert "loading model" not in capsys.readouterr().out
+
+
 def test_resume_continues_statistics_order_and_weights_exactly(tmp_path, one_thread):
     """6 steps straight vs 3 steps, a checkpoint, 3 more: the same statistics, prompts and weights bit for bit.
     8 prompts, 2 per step, window 1: prompts are revisited and retired within the run, so the later order depends
