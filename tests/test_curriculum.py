@@ -347,3 +347,94 @@ def test_group_size_by_difficulty_two_ranks_take_the_same_steps_as_one_process(t
     assert two[0][2] == one[2]
     assert max((two[0][0][k] - one[0][k]).abs().max().item() for k in one[0]) < 1e-5
     assert not all(torch.equal(one[0][k], one[0][k] * 0) for k in one[0])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("level", ["token", "sequence"])  # sequence: GSPO's sequence-level ratio
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
+def test_every_loss_type_with_groups_of_different_sizes_written_out(loss_type, level, scale):
+    """Groups of 2, 5 and 3 completions (the first flat): the trainer's own advantage, row-selection and normaliser
+    stages (no process group: one rank) and grpo_loss over two uneven micro-batches, against the formulas written
+    out: advantages from each group's own rows, the normaliser counting the trained rows' tokens (token_mean) or
+    rows (the others), flat groups out of both with skip_zero_advantage_groups."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from grpo_dist.advantages import ADV_EPS
+    from grpo_dist.losses import LOSS_TYPES, grpo_loss
+    from grpo_dist.rollout import RolloutBatch
+    from grpo_dist.trainer import GRPOTrainer
+    assert loss_type in LOSS_TYPES and len(LOSS_TYPES) == 4  # every loss_type the trainer supports is here
+    sizes, L, beta, eps = [2, 5, 3], 6, 0.04, 0.2
+    r = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 1.0]
+    lengths = [3, 6, 1, 4, 6, 2, 5, 3, 6, 2]
+    g = torch.Generator().manual_seed(0)
+    n = len(r)
+    mask = torch.tensor([[1.0 if t < lengths[i] else 0.0 for t in range(L)] for i in range(n)])
+    logp = -torch.rand(n, L, generator=g) * 3
+    old = logp + 0.3 * torch.randn(n, L, generator=g)  # ratios on both sides of the clip range
+    ref = logp + 0.2 * torch.randn(n, L, generator=g)
+    batch = RolloutBatch(torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2), torch.zeros(n, L, dtype=torch.long),
+                         mask, num_generations=4)
+    groups, at = [], 0
+    for s in sizes:
+        groups.append(list(range(at, at + s)))
+        at += s
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def std(xs):  # unbiased, as GRPO and TRL
+        m = mean(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    for skip in (False, True):
+        cfg = load_config(None, BASE + [f"loss_type={loss_type}", f"importance_sampling_level={level}",
+                                        f"scale_rewards={scale}", f"skip_zero_advantage_groups={skip}",
+                                        f"max_completion_length={L}", "output_dir=/tmp/unused"])
+        fake = types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(device=torch.device("cpu")),
+                                     _group_sizes=sizes, last_advantages=None)
+        fake._batch_reward_std = types.MethodType(GRPOTrainer._batch_reward_std, fake)
+        adv, flat = GRPOTrainer._advantages(fake, torch.tensor(r))
+        want_adv = []
+        for rows_g in groups:
+            grp = [r[i] for i in rows_g]
+            for i in rows_g:
+                want_adv.append({"group": (r[i] - mean(grp)) / (std(grp) + ADV_EPS),
+                                 "batch": (r[i] - mean(grp)) / (std(r) + ADV_EPS),
+                                 "none": r[i] - mean(grp)}[scale])
+        assert adv.tolist() == pytest.approx(want_adv, abs=1e-6) and flat.tolist() == [True, False, False]
+        rows = GRPOTrainer._select_rows(fake, batch, flat)
+        want_rows = groups[1] + groups[2] if skip else list(range(n))
+        assert rows == want_rows
+        normaliser = GRPOTrainer._step_normaliser(fake, batch, rows)
+        want_norm = sum(lengths[i] for i in want_rows) if loss_type == "token_mean" else len(want_rows)
+        assert normaliser == want_norm
+        spec = GRPOTrainer._loss_spec(types.SimpleNamespace(cfg=cfg, _kl_in_loss=lambda: True))
+        spec = dataclasses.replace(spec, beta=beta)  # the KL term in the loss too
+        got = 0.0
+        for mb in (rows[:3], rows[3:]):  # uneven micro-batches: the global normaliser makes them add up
+            got += float(grpo_loss(logp[mb], old[mb], adv[mb], mask[mb], normaliser=normaliser, spec=spec,
+                                   ref_logp=ref[mb]).loss)
+        # written out, row by row and token by token
+        total = 0.0
+        for i in want_rows:
+            toks = range(lengths[i])
+            seq = math.exp(mean([float(logp[i, t] - old[i, t]) for t in toks]))
+            row = 0.0
+            for t in toks:
+                ratio = math.exp(float(logp[i, t] - old[i, t])) if level == "token" else seq
+                a = want_adv[i]
+                pg = -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
+                d = float(ref[i, t] - logp[i, t])
+                row += pg + beta * (math.exp(d) - d - 1)
+            total += row / lengths[i] if loss_type == "seq_mean_token_mean" else row
+        if loss_type == "token_mean":
+            want = total / sum(lengths[i] for i in want_rows)
+        elif loss_type == "dr_grpo":
+            want = total / (len(want_rows) * L)
+        else:
+            want = total / len(want_rows)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (skip, got, want)
