@@ -1,6 +1,7 @@
 """Helpers shared by several test modules (test modules import from here, never from each other)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -154,3 +155,19 @@ def set_lora_b(trainer, scale=0.05):
                 if isinstance(p, DTensor):  # FSDP2: this rank's shard of the full value
                     value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
                 p.copy_(value)
+
+
+def in_process(fn):
+    """fn() in the pytest process, with the process group and its environment variables gone afterwards (a later
+    subprocess then reuses no port)."""
+    from grpo_dist.distributed import cleanup
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        return fn()
+    finally:
+        cleanup()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -7,10 +7,11 @@ the statistics, the order and the weights bit for bit.
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
+
+from helpers import in_process
 
 from grpo_dist.config import ConfigError, CurriculumConfig, load_config
 from grpo_dist.curriculum import Curriculum, difficulties
@@ -133,20 +134,6 @@ BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2,
         "distributed.timeout_s=60", "curriculum.mode=online", "curriculum.window=1", "curriculum.retire_weight=0.1"]
 
 
-def _in_process(fn):
-    from grpo_dist.distributed import cleanup
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    try:
-        return fn()
-    finally:
-        cleanup()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _trainer(overrides):
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
@@ -157,7 +144,7 @@ def _trainer(overrides):
 def test_a_missing_difficulty_column_is_refused_before_the_model_loads(tmp_path, capsys):
     with pytest.raises(ConfigError, match="config key 'curriculum.difficulty_field' = 'level': training row 0 has "
                                           "no such column"):
-        _in_process(lambda: _trainer([f"output_dir={tmp_path}", "curriculum.mode=static", "prompts_per_rank=2"]))
+        in_process(lambda: _trainer([f"output_dir={tmp_path}", "curriculum.mode=static", "prompts_per_rank=2"]))
     assert "loading model" not in capsys.readouterr().out
 
 
@@ -166,12 +153,12 @@ def test_resume_with_curriculum_from_a_checkpoint_without_statistics_is_refused_
     """A checkpoint written with curriculum.mode=none, resumed with mode online: refused with one line naming the
     key and the checkpoint, from its trainer_state.json, before the model (or the reward functions) load."""
     ck = tmp_path / "a" / "checkpoint-1"
-    _in_process(lambda: _trainer([f"output_dir={tmp_path / 'a'}", "curriculum.mode=none", "prompts_per_rank=2",
+    in_process(lambda: _trainer([f"output_dir={tmp_path / 'a'}", "curriculum.mode=none", "prompts_per_rank=2",
                                   "max_steps=1", "save_steps=1"]).train())
     assert "curriculum" not in json.loads((ck / "trainer_state.json").read_text())
     capsys.readouterr()
     with pytest.raises(ConfigError) as e:
-        _in_process(lambda: _trainer([f"output_dir={tmp_path / 'b'}", "prompts_per_rank=2",
+        in_process(lambda: _trainer([f"output_dir={tmp_path / 'b'}", "prompts_per_rank=2",
                                       f"resume_from_checkpoint={ck}"]))
     assert str(e.value) == (f"config key 'curriculum.mode' = online: checkpoint {ck} has no curriculum statistics "
                             f"(written with curriculum.mode=none); resume with curriculum.mode=none or start a "
@@ -192,7 +179,7 @@ def test_resume_continues_statistics_order_and_weights_exactly(tmp_path, one_thr
                                   f"resume_from_checkpoint={tmp_path / 'a' / 'checkpoint-3'}"])
         assert resumed.curriculum.visits.sum() == 3 * 2  # restored, not restarted
         assert resumed.train() == 0
-    _in_process(go)
+    in_process(go)
     mid = json.loads((tmp_path / "a" / "checkpoint-3" / "trainer_state.json").read_text())["curriculum"]
     assert sum(mid["visits"]) == 6 and max(mid["flat_streak"]) >= 1  # something was retired by step 3
     end_a = json.loads((tmp_path / "a" / "checkpoint-6" / "trainer_state.json").read_text())["curriculum"]

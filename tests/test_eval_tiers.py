@@ -6,9 +6,10 @@ must equal one evaluation of the same engine computed here, problem by problem, 
 """
 
 import json
-import os
 
 import pytest
+
+from helpers import in_process
 
 from grpo_dist.config import ConfigError, load_config
 
@@ -69,21 +70,6 @@ def _trainer(overrides):
     return GRPOTrainer(cfg, init_distributed(cfg.distributed.timeout_s))
 
 
-def _in_process(fn):
-    """fn() with the process group and its variables gone afterwards (a later subprocess reuses no port)."""
-    from grpo_dist.distributed import cleanup
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    try:
-        return fn()
-    finally:
-        cleanup()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _greedy_flags(tr, examples):
     """Per problem, whether this engine's greedy completion gets full marks from the first reward function."""
     from grpo_dist.evaluation import _score_examples
@@ -104,7 +90,7 @@ def test_each_tier_logs_its_own_names_on_its_own_problems_and_pass_at_k_leaves_t
         from grpo_dist.data import load_examples
         return _greedy_flags(tr, load_examples(tr.cfg.data, "eval"))
 
-    flags = _in_process(lambda: go(["eval_num_samples=2", "full_eval_num_samples=4"], tmp_path / "a"))
+    flags = in_process(lambda: go(["eval_num_samples=2", "full_eval_num_samples=4"], tmp_path / "a"))
     rows = metrics_of(tmp_path / "a")
     assert 0 < sum(flags) < NUM_EVAL, flags  # a real mix: a wrong subset or reduction would show
     light, full = sum(flags[:3]) / 3, sum(flags) / NUM_EVAL
@@ -118,7 +104,7 @@ def test_each_tier_logs_its_own_names_on_its_own_problems_and_pass_at_k_leaves_t
         assert 0 <= row["eval_full_pass@1"] <= row["eval_full_pass@2"] <= row["eval_full_pass@4"] <= 1
         assert "eval_full_truncated_fraction" in row
 
-    _in_process(lambda: go([], tmp_path / "b"))  # greedy tiers only
+    in_process(lambda: go([], tmp_path / "b"))  # greedy tiers only
     plain = metrics_of(tmp_path / "b")
     assert not any(k.startswith(("eval_pass@", "eval_full_pass@")) for r in plain for k in r)
     for with_k, without in zip(rows, plain):  # the training rollouts of steps 2, 3 follow an evaluation
@@ -131,7 +117,7 @@ def test_empty_eval_split_is_refused_before_the_model_loads(tmp_path):
     empty = tmp_path / "none.jsonl"
     empty.write_text("")
     with pytest.raises((ConfigError, DataError)) as e:
-        _in_process(lambda: _trainer(base(tmp_path, f"data.eval_path={empty}", "eval_steps=0")))
+        in_process(lambda: _trainer(base(tmp_path, f"data.eval_path={empty}", "eval_steps=0")))
     assert "full_eval_steps" in str(e.value) or str(empty) in str(e.value)
 
 

@@ -7,12 +7,11 @@ the solutions' order (and so the weights) exactly.
 """
 
 import json
-import os
 
 import pytest
 import torch
 
-from helpers import EQUIV_BASE, G, PROMPTS, fixed_rollout
+from helpers import in_process, EQUIV_BASE, G, PROMPTS, fixed_rollout
 
 from grpo_dist.config import ConfigError, load_config
 
@@ -46,20 +45,6 @@ def test_sft_settings_that_cannot_apply_are_refused_with_one_line(overrides, key
     assert f"'{key}'" in str(e.value) and len(e.value.problems) == 1, e.value.problems
 
 
-def _in_process(fn):
-    from grpo_dist.distributed import cleanup
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    try:
-        return fn()
-    finally:
-        cleanup()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _trainer(overrides):
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
@@ -70,7 +55,7 @@ def _trainer(overrides):
 def test_a_missing_solution_column_is_refused_before_the_model_loads(tmp_path, capsys):
     data = write_data(tmp_path, name="no_solutions.jsonl", column="other")
     with pytest.raises(ConfigError, match="config key 'sft_field' = solution: 8 of 8 training rows"):
-        _in_process(lambda: _trainer(sft_overrides(tmp_path, f"data.path={data}", "prompts_per_rank=4")))
+        in_process(lambda: _trainer(sft_overrides(tmp_path, f"data.path={data}", "prompts_per_rank=4")))
     assert "loading model" not in capsys.readouterr().out
 
 
@@ -127,7 +112,7 @@ def test_gradient_is_the_sum_of_the_grpo_and_sft_gradients(tmp_path, one_thread)
         assert plain.sft is None
         rl, _ = _grads_of_step(plain)
         return drawn, both, metrics, rl, tr.cfg
-    drawn, both, metrics, rl, cfg = _in_process(go)
+    drawn, both, metrics, rl, cfg = in_process(go)
     nll, sft = _hand_nll(cfg, drawn)
     assert metrics["sft_loss"] == pytest.approx(nll, rel=1e-5)
     cut = cfg.max_completion_length
@@ -179,7 +164,7 @@ def test_resume_continues_the_solutions_order_and_the_weights_exactly(tmp_path, 
                                          f"resume_from_checkpoint={tmp_path / 'a' / 'checkpoint-2'}"))
         assert resumed.sft.sampler.step_in_epoch == 2  # restored, not restarted
         assert resumed.train() == 0
-    _in_process(go)
+    in_process(go)
     state = json.loads((tmp_path / "a" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["sft_sampler"]["step_in_epoch"] == 2 and state["sft_sampler"]["seed"] == 43
     a = load_file(str(tmp_path / "a" / "checkpoint-4" / "model.safetensors"))
@@ -198,4 +183,4 @@ def test_solutions_from_a_file_of_their_own(tmp_path):
         tr = _trainer(sft_overrides(tmp_path, f"sft_path={sols}", "sft_field=worked", "prompts_per_rank=4"))
         return [(e.prompt, e.answer) for e in tr.sft.sampler.examples]
     rows = [json.loads(line) for line in sols.read_text().splitlines()]
-    assert _in_process(go) == [(r["question"], r["worked"]) for r in rows]
+    assert in_process(go) == [(r["question"], r["worked"]) for r in rows]
