@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from grpo_dist.config_sections.base import (MAX_PROBLEM_CHARS, ConfigError, _f, _one_bounded_line,  # noqa: F401
-                                         _raise_all, clip, short)
+                                         _raise_all, clip, nearest_key_value, short)
 from grpo_dist.config_sections.data import DataConfig, data_config_problems
 
 
@@ -1070,12 +1070,7 @@ def yaml_key_lines(text: str) -> dict[str, int]:
 
 def key_line(lines: dict[str, int], key: str) -> int | None:
     """The line of `key`, else of its nearest enclosing key that is written in the file."""
-    while key:
-        if key in lines:
-            return lines[key]
-        cut = max(key.rfind("."), key.rfind("["))
-        key = key[:cut] if cut > 0 else ""
-    return None
+    return nearest_key_value(lines, key)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

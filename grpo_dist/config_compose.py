@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.config_sections.base import ConfigError, clip
+from grpo_dist.config_sections.base import ConfigError, clip, nearest_key_value
 
 DEFAULTS_KEY = "defaults"
 EXP_PREFIX = "+exp="
@@ -133,12 +133,7 @@ def note_overrides(where: dict[str, str], overrides: list[str]) -> None:
 
 def source_of(where: dict[str, str], key: str) -> str | None:
     """The source of `key`, else of its nearest enclosing key that has one."""
-    while key:
-        if key in where:
-            return where[key]
-        cut = max(key.rfind("."), key.rfind("["))
-        key = key[:cut] if cut > 0 else ""
-    return None
+    return nearest_key_value(where, key)
 
 
 def provenance_lines(resolved: dict, where: dict[str, str], prefix: str = "") -> list[str]:

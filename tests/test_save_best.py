@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tensors_equal
+from helpers import in_process, tensors_equal
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
@@ -32,22 +32,13 @@ def run(overrides, weights=None):
     """Build a trainer on BASE + overrides and train it; evaluate() runs for real, then reports SCRIPT[step]
     (and records the step's weights in `weights`)."""
     from grpo_dist.config import load_config
-    from grpo_dist.distributed import cleanup, init_distributed
+    from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
     cfg = load_config(None, BASE + overrides)
     # The process group and its variables must not outlive the run: the module-scoped fixture below runs before
     # the per-test restore of RANK/MASTER_PORT (conftest.py), and a later subprocess given the same MASTER_PORT
     # would find this process still listening on it (EADDRINUSE).
-    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    try:
-        return _train(GRPOTrainer(cfg, init_distributed(60)), weights)
-    finally:
-        cleanup()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return in_process(lambda: _train(GRPOTrainer(cfg, init_distributed(60)), weights))
 
 
 def _train(tr, weights):

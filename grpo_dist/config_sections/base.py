@@ -39,6 +39,17 @@ class ConfigError(ValueError):
         self.problems = [_one_bounded_line(p) for p in problems] if problems else [message]
 
 
+def nearest_key_value(mapping: dict[str, Any], key: str) -> Any:
+    """mapping[key], else the value of the nearest enclosing dotted key ("a.b[0].c" -> "a.b[0]" -> "a.b" -> "a")
+    that the mapping has; None when none has one."""
+    while key:
+        if key in mapping:
+            return mapping[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
+
+
 def _one_bounded_line(text: str) -> str:
     return clip(" ".join(str(text).split()) if "\n" in str(text) else text, MAX_PROBLEM_CHARS)
 
