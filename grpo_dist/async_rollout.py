@@ -34,6 +34,14 @@ sampled only to be dropped. With k = 0 this is the colocated order exactly (sync
 the per-prompt sampling noise (sampling_noise.py) a rollout rank draws what the trainer itself would have drawn:
 the same weights and optimizer state, bitwise. Every blocking wait has distributed.timeout_s; a wait that fails
 raises PeerLost, one line naming this rank, the peer and what was awaited.
+
+Failures (docs/async.md): a rank that fails with an exception sends, best effort, an Abort in place of the next
+message its listeners wait for (a trainer to its rollout rank, rank 0 to every rollout rank, since they all read
+its headers; a rollout rank to the trainers it serves), and waits at most ABORT_WAIT_S for it to be taken (gloo
+hands a message over only while its sender lives). A listener that reads an Abort raises PeerLost with the
+failed rank's line at once, instead of waiting out distributed.timeout_s. A rank that dies closes its connections:
+its peers' waits fail at once. One that stops (SIGSTOP) or hangs is given up on after distributed.timeout_s. A
+slow one is waited for, up to distributed.timeout_s per message.
 """
 
 from __future__ import annotations
@@ -51,10 +59,22 @@ from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
 
 STOP = -1
+ABORT_WAIT_S = 10.0  # how long a failing rank waits for its Abort to be taken (best effort: it is failing anyway)
 
 
 class PeerLost(RuntimeError):
-    """A wait on another rank ran past distributed.timeout_s or the peer went away (the message names both)."""
+    """A wait on another rank ran past distributed.timeout_s, the peer went away or it sent an Abort (the message
+    names both). peer: the rank waited for."""
+
+    def __init__(self, line: str, peer: int | None = None):
+        super().__init__(line)
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Sent in place of the message a peer waits for: the sender failed (line: its rank, side and error)."""
+    line: str
 
 
 @dataclass
@@ -112,14 +132,15 @@ def roles() -> Roles:
 
 
 # ------------------------------------------------------------------------------------------------- transport
-def _wait(work, roles_: Roles, what: str, peer: int) -> None:
+def _wait(work, roles_: Roles, what: str, peer: int, timeout_s: float | None = None) -> None:
+    timeout_s = roles_.timeout_s if timeout_s is None else timeout_s
     try:
-        ok = work.wait(datetime.timedelta(seconds=roles_.timeout_s))
+        ok = work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise PeerLost(_lost_line(roles_, what, peer, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")) \
-            from None
+        raise PeerLost(_lost_line(roles_, what, peer, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"),
+                       peer) from None
     if ok is False:
-        raise PeerLost(_lost_line(roles_, what, peer, "timed out"))
+        raise PeerLost(_lost_line(roles_, what, peer, "timed out"), peer)
 
 
 def _lost_line(roles_: Roles, what: str, peer: int, why: str) -> str:
@@ -149,11 +170,42 @@ def flush(roles_: Roles) -> None:
 
 
 def recv_obj(src: int, roles_: Roles, what: str):
+    """The next message from rank src; an Abort from it raises PeerLost with its line."""
     size = torch.zeros(1, dtype=torch.long)
     _wait(dist.irecv(size, src, group=roles_.control_group), roles_, what, src)
     data = torch.empty(int(size[0]), dtype=torch.uint8)
     _wait(dist.irecv(data, src, group=roles_.control_group), roles_, what, src)
-    return pickle.loads(data.numpy().tobytes())
+    obj = pickle.loads(data.numpy().tobytes())
+    if isinstance(obj, Abort):
+        side = "trainer" if roles_.is_trainer else "rollout"
+        raise PeerLost(f"rank {roles_.rank} ({side}) stopped waiting for {what}: {obj.line}", src)
+    return obj
+
+
+def tell_failure(roles_: Roles, error: BaseException, listeners: list[int]) -> None:
+    """Best effort, on a failing rank's way out: an Abort to each listener (but the peer the error names: it is
+    gone), waiting at most ABORT_WAIT_S in all for them to be taken. Never raises."""
+    line = f"rank {roles_.rank} ({'trainer' if roles_.is_trainer else 'rollout'}) failed: {type(error).__name__}: " \
+           f"{(str(error).splitlines() or [''])[0][:300]}"
+    lost = getattr(error, "peer", None)
+    _OUTBOX[:] = [item for item in _OUTBOX if item[3] != lost]  # queued to the lost peer: never taken
+    for dst in listeners:
+        if dst != lost:
+            try:
+                send_obj(Abort(line), dst, roles_, "the abort message")
+            except RuntimeError:  # its connection is closed already
+                pass
+    deadline = time.monotonic() + min(ABORT_WAIT_S, roles_.timeout_s)
+    while _OUTBOX:
+        work, _, what, dst = _OUTBOX.pop(0)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            _wait(work, roles_, what, dst, left)
+        except PeerLost:
+            pass
+    _OUTBOX.clear()
 
 
 def _broadcast(t: torch.Tensor, roles_: Roles, what: str) -> None:
@@ -268,6 +320,15 @@ class AsyncRollouts:
         self.stats.update(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0)
         return out
 
+    def abort(self, error: BaseException) -> None:
+        """The trainer's failure path: tell the rollout ranks that read this rank's messages (rank 0: all of them,
+        for its headers; another trainer: its own) that it failed, so they stop now and name the failure."""
+        if self.closed:
+            return
+        self.closed = True
+        everyone = list(range(self.roles.trainers, self.roles.trainers + self.roles.rollouts))
+        tell_failure(self.roles, error, everyone if self.ctx.rank == 0 else [self.peer])
+
     def close(self) -> None:
         """Take what is still in flight (a run that stopped early), then stop the rollout ranks."""
         if self.closed or not self.started:
@@ -348,12 +409,18 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                 total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
                                               cfg.max_completion_length, **rollout_context(examples, batch))
                 decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
+                faults.slow_down(msg["batch"] + 1, roles_.rank, time.perf_counter() - t1)  # a slow rank (tests)
                 busy += time.perf_counter() - t1
                 send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
                               per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
                               idle_s=idle, busy_s=busy), t, roles_, f"the completions of batch {msg['batch']}")
                 t0 = time.perf_counter()
             j += 1
+    except PeerLost:
+        raise
+    except BaseException as e:  # this rank's own failure: its trainers stop now, naming it
+        tell_failure(roles_, e, served)
+        raise
     finally:
         rewards.close()
         engine.close()

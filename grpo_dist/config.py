@@ -406,6 +406,11 @@ class GRPOConfig:
         if k and math.isinf(self.epsilon):
             bad.append(f"config key 'epsilon' = inf with max_staleness = {k}: the ratio against stale behaviour "
                        f"log-probs must be clipped; set a finite epsilon")
+        if self.reward_timeout_s >= self.distributed.timeout_s:  # the rollout rank grades while a trainer waits
+            bad.append(f"config key 'reward_timeout_s' = {self.reward_timeout_s:g} is not below "
+                       f"distributed.timeout_s = {self.distributed.timeout_s:g}: with rollout_ranks > 0 a trainer "
+                       f"waits at most distributed.timeout_s for a graded batch, and one hung completion would "
+                       f"outlast that; lower reward_timeout_s or raise distributed.timeout_s")
         unsupported = [("distributed.backend", self.distributed.backend, self.distributed.backend == "deepspeed"),
                        ("rollout_engine", self.rollout_engine, self.rollout_engine == "vllm"),
                        ("dynamic_sampling", self.dynamic_sampling, self.dynamic_sampling),

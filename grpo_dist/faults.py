@@ -9,6 +9,9 @@ KIND is one of
                 heartbeat has published the phase): a hung rank, for the watchdog
     kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
     kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
+    slow        from step N on, rollout rank R (rollout_ranks > 0) takes SLOW_FACTOR times as long over each batch
+                (it sleeps SLOW_FACTOR - 1 times what generating and grading the batch took): a slow peer, which
+                the run must wait for, not give up on
     sigint      rank R sends SIGINT where a terminal's Ctrl-C goes, in the middle of step N (after the backward):
                 to torchrun's process group under torchrun (its workers run in sessions of their own and get the
                 signal from torchrun), else to its own process group; once per item, 0.3 s apart
@@ -26,7 +29,8 @@ import sys
 import time
 
 ENV = "GRPO_DIST_FAULT"
-KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop", "sigint")
+KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop", "sigint", "slow")
+SLOW_FACTOR = 10
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
 
 
@@ -61,6 +65,15 @@ def inject(kind: str, step: int, rank: int) -> bool:
                 time.sleep(0.5)  # the heartbeat publishes this phase first (at most 4 beats a second, watchdog.py)
                 os.kill(os.getpid(), signal.SIGSTOP)
             return True
+    return False
+
+
+def slow_down(step: int, rank: int, busy_s: float) -> bool:
+    """`slow`: where planned for this rank from `step` on or earlier, sleep (SLOW_FACTOR - 1) x busy_s, the time the
+    work just done took, so that it took SLOW_FACTOR times as long. True when it slept."""
+    if any(k == "slow" and s <= step and r in (None, rank) for k, s, r in planned()):
+        time.sleep((SLOW_FACTOR - 1) * busy_s)
+        return True
     return False
 
 

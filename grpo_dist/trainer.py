@@ -387,8 +387,12 @@ class GRPOTrainer:
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break
-            if self.async_rollouts is not None:  # not after an error: the peers may be gone; they time out
+            if self.async_rollouts is not None:  # not after an error: the peers may be gone
                 self.async_rollouts.close()
+        except BaseException as e:
+            if self.async_rollouts is not None:  # the rollout ranks stop now, naming this failure (best effort)
+                self.async_rollouts.abort(e)
+            raise
         finally:
             self.logger.close()
             self.completion_log.close()

@@ -171,3 +171,16 @@ def batch_calls_os_exit(completions, **kwargs):
 def batch_forks_sleeper(completions, **kwargs):
     """The batch form of forks_sleeper: one grandchild per call, then what SLEEPER_THEN says."""
     return [forks_sleeper(c, "") for c in completions[:1]] * len(completions)
+
+
+def hangs_once(completion: str, reference: str) -> float:
+    """Hangs (10 minutes) on the first completion it grades in the run, then scores odd length: one timeout per
+    run, whatever the sampled text. The run's marker file is named by GRPO_DIST_TEST_HANG_ONCE."""
+    import os
+    import time
+    try:
+        os.close(os.open(os.environ["GRPO_DIST_TEST_HANG_ONCE"], os.O_CREAT | os.O_EXCL))
+        time.sleep(600)
+    except FileExistsError:
+        pass
+    return float(len(completion) % 2)
