@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
+from grpo_dist.rollout_engines import RolloutEngine
 
 STOP = -1
 ABORT_WAIT_S = 10.0  # how long a failing rank waits for its Abort to be taken (best effort: it is failing anyway)
@@ -424,6 +425,20 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     finally:
         rewards.close()
         engine.close()
+
+
+class RolloutsElsewhere(RolloutEngine):
+    """A trainer rank's rollout engine with rollout_ranks > 0: the rollout ranks sample, so this rank builds no
+    generation replica (its memory stays with training) and nothing may ask it to generate."""
+    name = "rollout ranks"
+
+    def generate(self, prompt_ids, sampling):
+        raise RuntimeError("with rollout_ranks > 0 a trainer rank does not generate: its rollouts come from the "
+                           "rollout ranks (async_rollout.py)")
+
+    def sync_weights(self, weights) -> None:
+        raise RuntimeError("with rollout_ranks > 0 the weights go to the rollout ranks (AsyncRollouts), not to a "
+                           "local engine")
 
 
 def _received_weights(manifest, roles_: Roles):

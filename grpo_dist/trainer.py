@@ -37,6 +37,7 @@ from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
+from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
@@ -131,8 +132,11 @@ class GRPOTrainer:
         host = shards_from_host(cfg, ctx.world_size)
         policy = self._load_model("model", meta, to_device=not host)
         compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        # vLLM holds its own copy of the weights; lean / hf sample from a replica built here
-        self.gen_model = self._build_replica(policy, meta, compute_dtype) if cfg.rollout_engine != "vllm" else None
+        # vLLM holds its own copy of the weights; lean / hf sample from a replica built here; with rollout_ranks > 0
+        # the rollout ranks sample (async_rollout.py) and a trainer rank builds neither
+        local_rollouts = not cfg.rollout_ranks
+        self.gen_model = self._build_replica(policy, meta, compute_dtype) \
+            if local_rollouts and cfg.rollout_engine != "vllm" else None
         self.hf_model = policy  # its config and generation_config go into checkpoints
         self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
         self.padding_free = cfg.padding_free and self._can_pack(policy)
@@ -169,7 +173,8 @@ class GRPOTrainer:
         rng = ckpt.rng_state() if self.resumed_from is not None else None
         # every generate follows a weight sync here: vLLM starts from dummy weights (no checkpoint read per rank)
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights,
-                                                   num_params=num_params, synced=True)
+                                                   num_params=num_params, synced=True) \
+            if local_rollouts else RolloutsElsewhere()
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
         if rng is not None:
             ckpt.set_rng_state(rng)

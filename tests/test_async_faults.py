@@ -166,6 +166,17 @@ def test_a_rollout_rank_slow_by_10x_is_waited_for_and_shows_in_the_idle_fraction
     assert idle[2] > 0.5 and idle[2] > 2 * idle[1], idle
 
 
+@pytest.mark.slow
+def test_trainer_ranks_build_no_generation_replica(slow_run, tmp_path):
+    trainer = slow_run[0]
+    assert trainer["replica"] is False and trainer["engine"] == "RolloutsElsewhere"
+    colocated = run_ranks(_train, 1, tmp_path, [], str(tmp_path / "colocated"), {"build_only": "1"})[0]
+    assert colocated["replica"] is True and colocated["engine"] == "ReplicaRolloutEngine"
+    # the same policy and reference on both: what the trainer rank no longer holds is the whole replica
+    assert colocated["replica_params"] > 0
+    assert colocated["params"] - trainer["params"] == colocated["replica_params"], (colocated, trainer["params"])
+
+
 # --------------------------------------------------------------------------------------------------- the command line
 @pytest.mark.slow
 def test_command_line_under_torchrun_with_a_reward_that_hangs_on_the_rollout_rank(tmp_path):
