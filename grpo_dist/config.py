@@ -348,8 +348,8 @@ class GRPOConfig:
     optimizer: str = _f("adamw", "adamw (torch, fp32 moments: 8 bytes of state per parameter) | adamw_8bit "
                         "(bitsandbytes' blockwise 8-bit moments, ~2 bytes per parameter; 001 section 2.2: may be "
                         "unstable, the health monitor watches grad_norm; pip install 'grpo_dist[adamw8bit]'; FSDP "
-                        "(backend fsdp) and single-process runs; refused with fsdp2 and deepspeed; "
-                        "docs/optimizers.md)", ("adamw", "adamw_8bit"))
+                        "(backend fsdp), FSDP2 (its step runs on each rank's local shards) and single-process runs; "
+                        "refused with deepspeed; docs/optimizers.md)", ("adamw", "adamw_8bit"))
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
@@ -625,9 +625,6 @@ def _optimizer_problems(cfg) -> list[str]:
     if cfg.distributed.backend == "deepspeed":
         return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO "
                 "partitions and checkpoints its own fp32 optimizer); use distributed.backend=fsdp or optimizer=adamw"]
-    if cfg.distributed.backend == "fsdp2":  # bitsandbytes' kernel refuses fully_shard's DTensor parameters
-        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=fsdp2 (bitsandbytes' "
-                "8-bit step cannot take its DTensor parameters); use distributed.backend=fsdp or optimizer=adamw"]
     from grpo_dist.optim8bit import missing_problem
     return missing_problem()
 
