@@ -1118,14 +1118,16 @@ def _check_data_files(cfg: GRPOConfig, path, overrides: list[str], where: dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo_dist.config`: every key with its default and help.
+    """`python -m grpo_dist.config`: `defaults` and `+exp=NAME` (config_compose), then every key with its default
+    and help.
     `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
     as YAML followed by `# key = value  <- source` comment lines saying where each value came from (FILE:LINE of
     the config, a defaults file or a +exp file; command line; default), exit 0; or every problem, one per line
     (exit 2). CONFIG may be `none` to check overrides on the defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("\n".join(describe()))
+        from grpo_dist.config_compose import describe_composition
+        print("\n".join(describe_composition() + [""] + describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
         print("usage: python -m grpo_dist.config [--check CONFIG|none [+exp=NAME ...] [key=value | --key value ...]]",
