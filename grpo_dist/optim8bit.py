@@ -164,7 +164,8 @@ def build_adamw_8bit(cfg, params) -> torch.optim.Optimizer:
                     skip_zeros=config["skip_zeros"])
 
         def _portable(self, st: dict, p: torch.Tensor) -> dict:
-            out = _portable(st, _local(p))
+            assert isinstance(p, DTensor)
+            out = _portable(st, p.to_local())
             return {k: v if k == "step" else DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
                                                                 shape=p.shape, stride=p.stride())
                     for k, v in out.items()}
