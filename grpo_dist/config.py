@@ -623,8 +623,12 @@ def _optimizer_problems(cfg) -> list[str]:
     if cfg.optimizer != "adamw_8bit":
         return []
     if cfg.distributed.backend == "deepspeed":
-        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO "
-                "partitions and checkpoints its own fp32 optimizer); use distributed.backend=fsdp or optimizer=adamw"]
+        # tried as ZeRO-2/3's client optimizer (docs/optimizers.md): it steps and resumes, but on ZeRO's flat
+        # partition, so small tensors lose the fp32 moments bitsandbytes keeps for them
+        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO hands "
+                "it one flat fp32 partition per rank: biases and norms get 8-bit moments in blocks shared with other "
+                "parameters, measured 30 % off their 1-process update); use distributed.backend=fsdp or fsdp2, or "
+                "optimizer=adamw"]
     from grpo_dist.optim8bit import missing_problem
     return missing_problem()
 

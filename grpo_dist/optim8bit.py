@@ -220,6 +220,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen, total = set(), 0
     for st in optimizer.state.values():
         for v in st.values():
+            v = _local(v)  # torch AdamW's FSDP2 moments are DTensors: this rank holds their shards
             if torch.is_tensor(v) and v.data_ptr() not in seen:  # the shared qmaps count once
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()
