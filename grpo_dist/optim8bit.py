@@ -16,6 +16,10 @@ keys, so a checkpoint moves between adamw and adamw_8bit), plus each element's b
 on disk, twice torch AdamW's. Loading recovers codes (the nearest code to moment / scale) and scales exactly when
 the blocks line up as they were saved (same world size and sharding: the resume is bitwise); otherwise (another
 world size, or a torch AdamW checkpoint) the moments are quantised afresh.
+
+FSDP2 (fully_shard): bitsandbytes' kernels refuse DTensors, so ShardedAdamW8bit steps each parameter's local shard
+(to_local() shares its storage) and returns the same state dict with DTensors placed like the parameter, which DCP
+shards (save_format=sharded) or gathers (full) as it does torch AdamW's moments.
 """
 
 from __future__ import annotations
