@@ -170,3 +170,27 @@ def test_fsdp2_8bit_resumes_bitwise_from_sharded_and_full_checkpoints(tmp_path):
         assert any(bool(st["state1"].any()) for st in codes)  # the codes hold moments, not zeros
         for name in ("from_sharded", "from_full"):
             tensors_equal(out[name], straight, f"rank {rank} {name}")
+
+
+@pytest.mark.fast
+def test_state_bytes_counts_dtensor_moments_by_their_local_shards():
+    """torch AdamW under FSDP2 keeps DTensor moments: state_bytes (what bench/optimizer_memory.py reports) counts
+    each one's local shard, 2 x 4 bytes per element plus a 4-byte step per parameter (it used to count one)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from grpo_dist.optim8bit import state_bytes
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(r, 8), mesh, [Shard(0)])) for r in (16, 3)]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        for p in params:
+            p.grad = distribute_tensor(torch.ones(p.shape), mesh, [Shard(0)])
+        opt.step()
+        assert all(isinstance(st["exp_avg"], type(params[0])) for st in opt.state.values())  # DTensor moments
+        assert state_bytes(opt) == 2 * 4 * (16 + 3) * 8 + 4 * 2
+    finally:
+        dist.destroy_process_group()
