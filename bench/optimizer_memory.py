@@ -1,10 +1,12 @@
 """Optimizer state per rank: optimizer=adamw vs adamw_8bit at 1 and 2 ranks, on SmolLM2-135M-Instruct (or a tiny
 model with --tiny). After one real GRPO step (the state exists), each rank counts the bytes of its live optimizer
 state tensors (grpo_dist.optim8bit.state_bytes) and the elements of its trainable parameters (its FSDP shards at
-2 ranks), and reports bytes per parameter and MiB per rank. The last line is one JSON object.
+2 ranks; under FSDP2 the DTensors' local shards), and reports bytes per parameter and MiB per rank. The last line
+is one JSON object.
 
     python bench/optimizer_memory.py            # SmolLM2 (python -m grpo_dist.tools.smollm2 builds it), ~5 min
     python bench/optimizer_memory.py --tiny     # a tiny Qwen2, seconds
+    python bench/optimizer_memory.py --backend fsdp2   # distributed.backend (default fsdp: 1 rank is the local engine)
 
 Runs torchrun itself; needs bitsandbytes (pip install 'grpo_dist[adamw8bit]').
 """
@@ -23,8 +25,9 @@ sys.path.insert(0, HERE)
 from bench_common import print_rank_results, run_worker  # noqa: E402
 
 
-def _overrides(model: str, optimizer: str) -> list[str]:
-    return [model, f"optimizer={optimizer}", "beta=0", "reward_workers=0", "report_to=[]", "progress_bar=false",
+def _overrides(model: str, optimizer: str, backend: str) -> list[str]:
+    return [model, f"optimizer={optimizer}", f"distributed.backend={backend}", "beta=0", "reward_workers=0",
+            "report_to=[]", "progress_bar=false",
             "save_final=false", "num_generations=2", "prompts_per_rank=1", "max_completion_length=4",
             "micro_batch_size=2", "learning_rate=1e-5", "log_completions=0", "health.enabled=false",
             f"output_dir={tempfile.mkdtemp(prefix='bench_optim_')}",
@@ -40,25 +43,30 @@ def worker(args):
     from grpo_dist.trainer import GRPOTrainer
     torch.set_num_threads(1)
     ctx = gdist.init_distributed(600, 1)
-    trainer = GRPOTrainer(load_config(None, _overrides(args.model, args.optimizer)), ctx)
+    trainer = GRPOTrainer(load_config(None, _overrides(args.model, args.optimizer, args.backend)), ctx)
     trainer.train_step()
     opt = trainer.engine.optimizer
-    params = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    eight = sum(p.numel() for p, st in opt.state.items() if st.get("state1", torch.empty(0)).dtype == torch.uint8)
+
+    def local(p):  # this rank's elements: a DTensor's (FSDP2) numel() is the whole parameter's
+        return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    params = sum(local(p) for g in opt.param_groups for p in g["params"])
+    eight = sum(local(p) for p, st in opt.state.items() if st.get("state1", torch.empty(0)).dtype == torch.uint8)
     out = {"rank": ctx.rank, "params": params, "state_bytes": state_bytes(opt), "eight_bit_params": eight}
     print_rank_results(out, ctx)
     gdist.cleanup()
 
 
-def run(world: int, model: str, optimizer: str) -> list[dict]:
+def run(world: int, model: str, optimizer: str, backend: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-    return run_worker(__file__, world, ["--model", model, "--optimizer", optimizer], 29650 + os.getpid() % 300, env)
+    return run_worker(__file__, world, ["--model", model, "--optimizer", optimizer, "--backend", backend],
+                      29650 + os.getpid() % 300, env)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 (hidden 256, 4 layers) instead of SmolLM2")
+    ap.add_argument("--backend", default="fsdp", choices=("fsdp", "fsdp2"), help="distributed.backend")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--optimizer", help=argparse.SUPPRESS)
@@ -71,11 +79,11 @@ def main():
     else:
         from grpo_dist.tools import smollm2
         model, name = f"model.name_or_path={smollm2.build_model_dir()}", "SmolLM2-135M-Instruct"
-    summary: dict = {"model": name}
+    summary: dict = {"model": name, "backend": args.backend}
     print(f"{'':22} {'params/rank':>12} {'state MiB':>10} {'bytes/param':>12} {'8-bit share':>12}")
     for optimizer in ("adamw", "adamw_8bit"):
         for world in (1, 2):
-            for r in run(world, model, optimizer):
+            for r in run(world, model, optimizer, args.backend):
                 per = r["state_bytes"] / max(r["params"], 1)
                 label = f"{optimizer} {world} rank(s) r{r['rank']}"
                 print(f"{label:22} {r['params']:12d} {r['state_bytes'] / 2**20:10.2f} {per:12.3f} "

@@ -348,8 +348,8 @@ class GRPOConfig:
     optimizer: str = _f("adamw", "adamw (torch, fp32 moments: 8 bytes of state per parameter) | adamw_8bit "
                         "(bitsandbytes' blockwise 8-bit moments, ~2 bytes per parameter; 001 section 2.2: may be "
                         "unstable, the health monitor watches grad_norm; pip install 'grpo_dist[adamw8bit]'; FSDP "
-                        "(backend fsdp) and single-process runs; refused with fsdp2 and deepspeed; "
-                        "docs/optimizers.md)", ("adamw", "adamw_8bit"))
+                        "(backend fsdp), FSDP2 (its step runs on each rank's local shards) and single-process runs; "
+                        "refused with deepspeed; docs/optimizers.md)", ("adamw", "adamw_8bit"))
     learning_rate: float = _f(1e-6, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
@@ -628,11 +628,12 @@ def _optimizer_problems(cfg) -> list[str]:
     if cfg.optimizer != "adamw_8bit":
         return []
     if cfg.distributed.backend == "deepspeed":
-        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO "
-                "partitions and checkpoints its own fp32 optimizer); use distributed.backend=fsdp or optimizer=adamw"]
-    if cfg.distributed.backend == "fsdp2":  # bitsandbytes' kernel refuses fully_shard's DTensor parameters
-        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=fsdp2 (bitsandbytes' "
-                "8-bit step cannot take its DTensor parameters); use distributed.backend=fsdp or optimizer=adamw"]
+        # tried as ZeRO-2/3's client optimizer (docs/optimizers.md): it steps and resumes, but on ZeRO's flat
+        # partition, so small tensors lose the fp32 moments bitsandbytes keeps for them
+        return ["config key 'optimizer' = adamw_8bit is not supported with distributed.backend=deepspeed (ZeRO hands "
+                "it one flat fp32 partition per rank: biases and norms get 8-bit moments in blocks shared with other "
+                "parameters, measured 30 % off their 1-process update); use distributed.backend=fsdp or fsdp2, or "
+                "optimizer=adamw"]
     from grpo_dist.optim8bit import missing_problem
     return missing_problem()
 
@@ -1126,14 +1127,16 @@ def _check_data_files(cfg: GRPOConfig, path, overrides: list[str], where: dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo_dist.config`: every key with its default and help.
+    """`python -m grpo_dist.config`: `defaults` and `+exp=NAME` (config_compose), then every key with its default
+    and help.
     `python -m grpo_dist.config --check CONFIG [key=value | --key value | --key=value ...]`: the resolved config
     as YAML followed by `# key = value  <- source` comment lines saying where each value came from (FILE:LINE of
     the config, a defaults file or a +exp file; command line; default), exit 0; or every problem, one per line
     (exit 2). CONFIG may be `none` to check overrides on the defaults."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("\n".join(describe()))
+        from grpo_dist.config_compose import describe_composition
+        print("\n".join(describe_composition() + [""] + describe()))
         return 0
     if args[0] != "--check" or len(args) < 2:
         print("usage: python -m grpo_dist.config [--check CONFIG|none [+exp=NAME ...] [key=value | --key value ...]]",

@@ -23,6 +23,22 @@ COMMAND_LINE = "command line"
 SHIPPED_EXP_DIR = Path(__file__).resolve().parent.parent / "configs" / "exp"
 
 
+def describe_composition() -> list[str]:
+    """The listing's lines for `defaults` and `+exp=NAME` (`python -m grpo_dist.config`): not dataclass fields, so
+    describe() cannot find them, yet a user writes them like keys."""
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED_EXP_DIR.glob("*.yaml"))) or "none"
+    return [
+        "[composition]  # not config keys: they say which files make up the config (grpo_dist/config_compose.py, "
+        "docs/configs.md)",
+        f"{DEFAULTS_KEY} = []  # in a config file: the YAML files it builds on (paths relative to it), deep-merged "
+        f"in list order (each with its own {DEFAULTS_KEY} first) before the file itself; dropped from the saved "
+        f"config",
+        f"{EXP_PREFIX}NAME  # on the command line (repeatable, in order): merge NAME.yaml from exp/ next to the "
+        f"config, ./configs/exp/ or the shipped configs/exp/ ({shipped}) after the file and before the key=value "
+        f"overrides; `--check` shows each value's source",
+    ]
+
+
 def split_exp(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(+exp names in order, the other overrides)."""
     exps = [o[len(EXP_PREFIX):].strip() for o in overrides if o.startswith(EXP_PREFIX)]

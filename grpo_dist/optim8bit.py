@@ -16,6 +16,10 @@ keys, so a checkpoint moves between adamw and adamw_8bit), plus each element's b
 on disk, twice torch AdamW's. Loading recovers codes (the nearest code to moment / scale) and scales exactly when
 the blocks line up as they were saved (same world size and sharding: the resume is bitwise); otherwise (another
 world size, or a torch AdamW checkpoint) the moments are quantised afresh.
+
+FSDP2 (fully_shard): bitsandbytes' kernels refuse DTensors, so ShardedAdamW8bit steps each parameter's local shard
+(to_local() shares its storage) and returns the same state dict with DTensors placed like the parameter, which DCP
+shards (save_format=sharded) or gathers (full) as it does torch AdamW's moments.
 """
 
 from __future__ import annotations
@@ -40,15 +44,21 @@ def missing_problem() -> list[str]:
 
 
 def build_adamw_8bit(cfg, params) -> torch.optim.Optimizer:
-    """AdamW8bit from learning_rate / adam_* / weight_decay over params."""
+    """AdamW8bit from learning_rate / adam_* / weight_decay over params; ShardedAdamW8bit when they are DTensors
+    (FSDP2's fully_shard)."""
     import bitsandbytes as bnb
+    from bitsandbytes import functional as F
+    from torch.distributed.tensor import DTensor
 
     class AdamW8bit(bnb.optim.AdamW8bit):
         def state_dict(self):
             sd = torch.optim.Optimizer.state_dict(self)
             params = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {i: _portable(st, params[i]) for i, st in sd["state"].items()}
+            sd["state"] = {i: self._portable(st, params[i]) for i, st in sd["state"].items()}
             return sd
+
+        def _portable(self, st: dict, p: torch.Tensor) -> dict:
+            return _portable(st, p)
 
         def load_state_dict(self, state_dict, move_to_device=True):
             params = [p for g in self.param_groups for p in g["params"]]
@@ -64,12 +74,20 @@ def build_adamw_8bit(cfg, params) -> torch.optim.Optimizer:
                 if st:
                     self.state[by_key[key]] = self._native(st, by_key[key])
 
+        def _eight_bit(self, p: torch.Tensor) -> bool:
+            """Whether parameter p gets 8-bit moments: bitsandbytes' rule by p's elements (FSDP1: this rank's
+            shard; a DTensor counts the whole parameter, so under FSDP2 every rank and 1 process decide alike)."""
+            return p.numel() >= self.args.min_8bit_size  # type: ignore[attr-defined]
+
         def _native(self, st: dict, p: torch.Tensor) -> dict:
+            return self._native_local(st, p, self._eight_bit(p))
+
+        def _native_local(self, st: dict, p: torch.Tensor, eight_bit: bool) -> dict:
             n = p.numel()
             step = int(float(st["step"]))
             m = st["exp_avg"].to(p.device, torch.float32).reshape(p.shape)
             v = st["exp_avg_sq"].to(p.device, torch.float32).reshape(p.shape)
-            if n < self.args.min_8bit_size:  # type: ignore[attr-defined]  # fp32 moments for small shards
+            if not eight_bit:  # fp32 moments for small tensors
                 return {"step": step, "state1": m.clone(), "state2": v.clone()}
             if "dynamic" not in self.name2qmap:
                 self.fill_qmap()
@@ -85,15 +103,94 @@ def build_adamw_8bit(cfg, params) -> torch.optim.Optimizer:
                     out[f"state{k}"] = _nearest_codes(x.flatten(), scale, out[f"qmap{k}"]).reshape(p.shape)
                     out[f"absmax{k}"] = blocks.clone()
                 else:  # another layout (world size) or fp32 moments: quantise as bitsandbytes does
-                    from bitsandbytes import functional as F
                     codes, qs = F.quantize_blockwise(x.flatten().contiguous(), code=out[f"qmap{k}"],
                                                      blocksize=BLOCK)
                     out[f"state{k}"] = codes.reshape(p.shape)
                     out[f"absmax{k}"] = qs.absmax.float()
             return out
 
-    return AdamW8bit(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                     weight_decay=cfg.weight_decay)
+    class ShardedAdamW8bit(AdamW8bit):
+        """AdamW8bit over fully_shard's DTensor parameters. bitsandbytes' kernels take plain tensors only, and a
+        DTensor's to_local() shares storage with this rank's shard: the step runs on the local shard and its local
+        gradient, so the update lands in the parameter. The state holds local tensors; state_dict() wraps them as
+        DTensors placed like their parameter (what DCP shards, gathers and re-shards, as torch AdamW's moments)."""
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for gindex, group in enumerate(self.param_groups):
+                for pindex, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    local, grad = _local(p), _local(p.grad)
+                    if not local.is_contiguous():  # the kernel writes the flat storage in place
+                        raise RuntimeError("adamw_8bit under FSDP2 needs contiguous parameter shards")
+                    config = self.get_config(gindex, pindex, group)
+                    state = self.state[p]
+                    if not state:
+                        state.update(self._fresh_state(p, local))
+                    state["step"] += 1
+                    if local.numel():  # an empty shard (a rank past the last chunk) has nothing to update
+                        self._update(state, config, local, grad.contiguous())
+            return loss
+
+        def _fresh_state(self, p: torch.Tensor, local: torch.Tensor) -> dict:
+            """Zero moments for this rank's shard: 8-bit codes with one scale per 256 elements of the shard, or
+            fp32 (bitsandbytes' init_state, on the local tensor)."""
+            if not self._eight_bit(p):
+                return {"step": 0, "state1": torch.zeros_like(local, dtype=torch.float32),
+                        "state2": torch.zeros_like(local, dtype=torch.float32)}
+            if "dynamic" not in self.name2qmap:
+                self.fill_qmap()
+            blocks = -(-local.numel() // BLOCK)
+            return {"step": 0, "qmap1": self.name2qmap["dynamic"].to(local.device),
+                    "qmap2": self.name2qmap["udynamic"].to(local.device),
+                    "state1": torch.zeros_like(local, dtype=torch.uint8),
+                    "state2": torch.zeros_like(local, dtype=torch.uint8),
+                    "absmax1": torch.zeros(blocks, dtype=torch.float32, device=local.device),
+                    "absmax2": torch.zeros(blocks, dtype=torch.float32, device=local.device)}
+
+        def _update(self, state: dict, config: dict, p: torch.Tensor, g: torch.Tensor) -> None:
+            """One AdamW step of bitsandbytes' kernels on plain tensors (its update_step without the DTensors)."""
+            beta1, beta2 = config["betas"][0], config["betas"][1]
+            if state["state1"].dtype == torch.uint8:
+                F.optimizer_update_8bit_blockwise(
+                    self.optimizer_name, g, p, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0,
+                    config["eps"], state["step"], config["lr"], state["qmap1"], state["qmap2"], state["absmax1"],
+                    state["absmax2"], config["weight_decay"], gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+            else:
+                F.optimizer_update_32bit(
+                    self.optimizer_name, g, p, state["state1"], beta1, config["eps"], state["step"], config["lr"],
+                    state["state2"], beta2, 0.0, 0.0, config["weight_decay"], 1.0, None, max_unorm=0.0,
+                    skip_zeros=config["skip_zeros"])
+
+        def _portable(self, st: dict, p: torch.Tensor) -> dict:
+            assert isinstance(p, DTensor)
+            out = _portable(st, p.to_local())
+            return {k: v if k == "step" else DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                                shape=p.shape, stride=p.stride())
+                    for k, v in out.items()}
+
+        def _native(self, st: dict, p: torch.Tensor) -> dict:
+            # DCP hands DTensors placed like p (sharded load, or rank 0's full state distributed): their shards
+            return self._native_local({k: _local(v) for k, v in st.items()}, _local(p), self._eight_bit(p))
+
+    params = list(params)
+    sharded = any(isinstance(p, DTensor) for p in params)
+    if sharded and not all(isinstance(p, DTensor) for p in params):
+        raise ValueError("adamw_8bit: DTensor and plain parameters in one optimizer")
+    return (ShardedAdamW8bit if sharded else AdamW8bit)(
+        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay)
+
+
+def _local(t):
+    """A DTensor's local shard (the same storage), or t itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _portable(st: dict, p: torch.Tensor) -> dict:
@@ -127,6 +224,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen, total = set(), 0
     for st in optimizer.state.values():
         for v in st.values():
+            v = _local(v)  # torch AdamW's FSDP2 moments are DTensors: this rank holds their shards
             if torch.is_tensor(v) and v.data_ptr() not in seen:  # the shared qmaps count once
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()

@@ -178,3 +178,21 @@ def test_config_validation_imports_no_data_module_and_the_old_names_still_import
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     for f in (ROOT / "grpo_dist" / "data").glob("*.py"):
         assert "from grpo_dist.config import" not in f.read_text(), f"{f.name} imports grpo_dist.config"
+
+
+def test_the_option_listing_shows_defaults_and_exp(capsys):
+    """`python -m grpo_dist.config` lists every dataclass key; `defaults` and `+exp=NAME` are none (config_compose
+    reads them before the dataclasses), so the listing names them itself: what each does and where it is
+    documented, with the shipped experiment files."""
+    assert main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out[0]
+    assert head.startswith("[composition]") and "docs/configs.md" in head and "config_compose.py" in head
+    defaults = next(line for line in out if line.startswith("defaults = "))
+    assert "in a config file" in defaults and "before the file itself" in defaults
+    exp = next(line for line in out if line.startswith("+exp=NAME"))
+    assert "on the command line" in exp and "configs/exp/" in exp
+    shipped = sorted(p.stem for p in (ROOT / "configs" / "exp").glob("*.yaml"))
+    assert shipped and all(name in exp for name in shipped)
+    # the dataclass keys follow, as before
+    assert any(line.startswith("num_generations = 8  # completions per prompt") for line in out)

@@ -425,3 +425,50 @@ def test_every_loss_type_with_groups_of_different_sizes_written_out(loss_type, l
         else:
             want = total / len(want_rows)
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (skip, got, want)
+
+
+# ------------------------------------------------------------------------------------ a real difficulty column
+MATH_DATA = {  # MATH's own `level` column, as a data config names the files of $GRPO_DIST_DATA_DIR
+    # MATH-500 by data.path: level an int 1-5
+    "math500_path": lambda root: [f"data.path={root}/math500/test.jsonl", "data.prompt_field=problem",
+                                  "data.answer_field=answer"],
+    # the `math` preset (MATH test set minus MATH-500, 4500 rows): level a string 'Level 1' .. 'Level 5'
+    "math_preset": lambda root: ["data.preset=math"],
+}
+
+
+@pytest.mark.parametrize("data", list(MATH_DATA))
+def test_static_order_on_math_levels_opens_the_easiest_first_and_reaches_every_level(data, tmp_path):
+    """curriculum.mode=static on MATH's `level`, through the trainer's own loading (config -> data files ->
+    Curriculum -> PromptSampler, before any model loads): batch 0 draws only from the easiest
+    ceil(start_fraction x N) prompts (Level 1 alone here), the pool grows by the pacing formula and the hardest
+    level drawn with it, and once the pool is whole every level is drawn."""
+    import os
+    root = os.environ.get("GRPO_DIST_DATA_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "math500", "test.jsonl")):
+        pytest.skip("needs $GRPO_DIST_DATA_DIR with the MATH files (math500/, math_test5000/)")
+    s, pacing, per_step = 0.05, 6, 32
+    tr = in_process(lambda: _trainer(MATH_DATA[data](root) + [
+        f"output_dir={tmp_path}", "data.limit=null", f"prompts_per_rank={per_step}", "curriculum.mode=static",
+        "curriculum.difficulty_field=level", f"curriculum.start_fraction={s}", f"curriculum.pacing_steps={pacing}"]))
+    level = difficulties(tr.train_examples, "level")  # 1..5 from 1 / 'Level 1'
+    n = len(level)
+    assert n == {"math500_path": 500, "math_preset": 4500}[data] and set(level.tolist()) == {1, 2, 3, 4, 5}
+    assert sum(level == 1) > math.ceil(s * n)  # the first pool fits inside Level 1
+    hardest_seen = []
+    drawn_levels = set()
+    for b in range(pacing + 6):
+        want = min(n, max(per_step, math.ceil((s + (1 - s) * min(1, b / pacing)) * n)))
+        assert tr.curriculum.pool_size(b) == want
+        batch = tr.sampler.next_batch()
+        assert tr.sampler.last_batch_number == b and len({e.index for e in batch}) == per_step
+        got = [level[e.index] for e in batch]
+        # the pool is the `want` easiest: nothing harder than its hardest (the want-th smallest level)
+        assert max(got) <= np.sort(level)[want - 1], (b, max(got))
+        if b == 0:
+            assert set(got) == {1.0}
+        hardest_seen.append(max(got))
+        drawn_levels |= set(got)
+    assert hardest_seen[0] == 1 and max(hardest_seen[:2]) < 5  # the hard end opens with the pacing, not at once
+    assert drawn_levels == {1.0, 2.0, 3.0, 4.0, 5.0}
+    assert tr.curriculum.metrics(pacing) == {"curriculum/pool_fraction": 1.0}
