@@ -222,6 +222,8 @@ def run_config(args, model: str | None, name: str, overrides: list[str], scale: 
 
 
 def summary(runs: dict) -> dict:
+    if "on" not in runs or "off" not in runs:  # --only: no ratio without both halves
+        return {}
     on, off = runs["on"], runs["off"]
     return {"time_ratio": round(on["step_s"] / off["step_s"], 4),
             "padding_fraction": {k: on["tokens"][k]["padding_fraction"] for k in PASSES},
@@ -244,6 +246,8 @@ def main(argv=None) -> None:
                     "(default: the key's default)")
     ap.add_argument("--all-configs", action=argparse.BooleanOptionalAction, default=None,
                     help="each lever alone too (default: for the tiny model, not for the real one)")
+    ap.add_argument("--only", help="comma-separated configurations to run (e.g. 'on': the full-size memory check "
+                    "of one step alone); the ratios need both 'on' and 'off'")
     # worker arguments (one torchrun job)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="[]", help=argparse.SUPPRESS)
@@ -275,6 +279,11 @@ def main(argv=None) -> None:
         every = args.all_configs if args.all_configs is not None else model is None
         if not every:
             configs = {k: configs[k] for k in ("off", "on")}
+        if args.only:
+            wanted = args.only.split(",")
+            if unknown := sorted(set(wanted) - set(_configs(has_compaction, budget, args.threshold))):
+                ap.error(f"--only: no configuration named {', '.join(unknown)}")
+            configs = {k: v for k, v in _configs(has_compaction, budget, args.threshold).items() if k in wanted}
         runs = {name: run_config(args, model, name, o, scale) for name, o in configs.items()}
         results["real" if model else "tiny"] = {"summary": summary(runs), "runs": runs}
     main_runs = results["tiny" if args.quick else "real"]
