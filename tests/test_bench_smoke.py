@@ -92,3 +92,66 @@ def test_bench_async_quick_prints_the_json_line():
         for s in splits.values():  # the printed arithmetic is the step time
             assert s["step_s"] == pytest.approx(max(s["rollout_s"], s["train_s"]) + s["sync_s"]
                                                 if s["sync_s"] else s["rollout_s"] + s["train_s"], rel=1e-3)
+
+
+def _bench_async():
+    """bench/async.py as a module (its name is a Python keyword: no plain import)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_async", os.path.join(ROOT, "bench", "async.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.fast
+def test_bench_async_figures_are_the_formulas_over_the_steps_after_the_fill():
+    """summarise() on hand-made metrics of 4 steps at k = 1 (the pipeline full from step 2): the trainer's idle
+    fraction weights each step's by its step time, the rollout rank's comes from the per-batch differences of the
+    cumulative seconds its messages carry, bytes per version divide by the versions sent (1 + steps - k - 1)."""
+    from argparse import Namespace
+    bench = _bench_async()
+    args = Namespace(prompts=2, num_generations=2, median=5, p95=20, cap=32)
+    tokens = [sum(bench.step_targets(args, s)) for s in range(4)]
+    step_s, idle_f = [2.0, 1.0, 4.0, 2.0], [0.5, 0.1, 0.25, 0.0]
+    B = 1000.0
+    metrics = [{"completion_length_mean": tokens[s] / 4, "step_time_s": step_s[s], "time_rollout_s": 0.1,
+                "async/trainer_idle_fraction": idle_f[s], "async/rollout_idle_fraction": 0.0,
+                "async/weight_sync_s": 0.01 * (s + 1), "async/weight_sync_bytes": B * ((s == 0) + (s + 2 < 4)),
+                "async/lag_mean": float(min(s, 1)), "async/lag_max": float(min(s, 1)), "async/dropped": 0.0}
+               for s in range(4)]
+    # cumulative (idle, busy) after batches 0..3: per batch (1, 1), (0, 2), (3, 1), (1, 3)
+    cumulative = [(0, 1.0, 1.0), (1, 1.0, 3.0), (2, 4.0, 4.0), (3, 5.0, 7.0)]
+    main = {"code": 0, "train_s": 10.0, "metrics": metrics, "rollout_cumulative": cumulative}
+    r = bench.summarise(args, 1, [main, {"served": 0}])
+    assert r["full_from_step"] == 2 and r["completion_tokens"] == sum(tokens)
+    assert r["tokens_per_s"] == round(sum(tokens) / 10.0, 2)
+    assert r["tokens_per_s_full"] == round((tokens[2] + tokens[3]) / (4.0 + 2.0), 2)
+    assert r["trainer_idle_fraction"] == round((1.0 + 0.1 + 1.0 + 0.0) / 9.0, 4)
+    assert r["trainer_idle_fraction_full"] == round((1.0 + 0.0) / 6.0, 4)
+    assert r["rollout_idle_fraction"] == round(5.0 / 12.0, 4)
+    assert r["rollout_idle_fraction_full"] == round((3 + 1) / (4 + 4), 4)
+    assert r["weight_sync_bytes_per_version"] == 3 * B / 3  # versions 0, 1, 2 (batches 0-1, 2, 3)
+    assert r["weight_sync_s_per_step"] == round((0.01 + 0.02 + 0.03 + 0.04) / 4, 4)
+    assert r["lag_mean"] == 0.75 and r["lag_max"] == 1.0
+    metrics[3]["completion_length_mean"] += 1  # a length the forcing did not hold is refused
+    with pytest.raises(RuntimeError, match="completion_length_mean"):
+        bench.summarise(args, 1, [main, {"served": 0}])
+
+
+@pytest.mark.fast
+def test_bench_async_projection_arithmetic():
+    """project(): colocated = rollout + train on every GPU; a split = max(rollout, train) + sync, with rollout =
+    longest x decode step + tokens / GPUs x per-token decode and train = tokens x per-token train / GPUs."""
+    bench = _bench_async()
+    inp = dict(rows=8, longest=100, tokens=400, decode_step_s=0.01, decode_row_s=0.001, train_s_per_token=0.004,
+               sync_bytes=2e9, sync_bytes_s=1e10)
+    colo = bench.project(inp, 0, 8)
+    assert colo["rollout_s"] == pytest.approx(100 * 0.01 + 400 / 8 * 0.001)
+    assert colo["step_s"] == pytest.approx(1.05 + 400 * 0.004 / 8)
+    split = bench.project(inp, 4, 4)
+    assert split["step_s"] == pytest.approx(max(1.0 + 0.1, 0.4) + 0.2)
+    split = bench.project(inp, 2, 6)  # 2 rollout GPUs, 6 trainer GPUs: the rollout is the longer side
+    assert split["step_s"] == pytest.approx(max(1.0 + 400 / 2 * 0.001, 400 * 0.004 / 6) + 0.2)
+    split = bench.project(inp, 7, 1)  # the trainer is the longer side
+    assert split["step_s"] == pytest.approx(max(1.0 + 400 / 7 * 0.001, 400 * 0.004 / 1) + 0.2)
+    assert split["arithmetic"] == "max(1.06, 1.60) + 0.200"
