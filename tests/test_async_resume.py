@@ -159,6 +159,7 @@ def _broadcast_in_subgroup(rank, world_size):
     return gdist.broadcast_state(mine, torch.device("cpu")), gdist.broadcast_state(None, torch.device("cpu"))
 
 
+@pytest.mark.slow  # three processes
 def test_broadcast_state_copies_rank0s_dicts_within_the_trainer_group(tmp_path):
     got = run_ranks(_broadcast_in_subgroup, 3, tmp_path, timeout=120)
     assert got[2] is None
