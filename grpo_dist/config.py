@@ -418,7 +418,9 @@ class GRPOConfig:
                        ("eval_steps", self.eval_steps, bool(self.eval_steps)),
                        ("full_eval_steps", self.full_eval_steps, bool(self.full_eval_steps)),
                        ("lora.r", self.lora.r, bool(self.lora.r)),
-                       ("sft_coef", self.sft_coef, bool(self.sft_coef))]
+                       ("sft_coef", self.sft_coef, bool(self.sft_coef)),
+                       # online statistics come from graded groups, which the rollout ranks do not send back yet
+                       ("curriculum.mode", self.curriculum.mode, self.curriculum.mode == "online")]
         for key, value, bad_here in unsupported:
             if bad_here:
                 bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0 yet "
