@@ -42,10 +42,17 @@ hands a message over only while its sender lives). A listener that reads an Abor
 failed rank's line at once, instead of waiting out distributed.timeout_s. A rank that dies closes its connections:
 its peers' waits fail at once. One that stops (SIGSTOP) or hangs is given up on after distributed.timeout_s. A
 slow one is waited for, up to distributed.timeout_s per message.
+
+Resume (resume_from_checkpoint): the prompts go out from a copy of the trainer's PromptSampler running ahead; the
+trainer's own cursor takes a batch only when its completions come back, so a checkpoint at step C holds the cursor
+of batches 0 .. C-1 and nothing about what was in flight. The resumed job starts the diagram at s = C: batches
+C .. C+k go out again, all sampled with version C (the checkpoint's weights; the versions C-k .. C-1 that sampled
+some of them before are in no checkpoint), then as above. The rollout ranks keep nothing across the restart.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import pickle
 import time
@@ -227,6 +234,8 @@ class AsyncRollouts:
         self.next_batch = 0       # the batch (step) whose prompts go out next
         self.received = 0         # batches whose completions came back
         self.pending: dict[int, object] = {}
+        self.ahead: Any = None    # the PromptSampler the prompts go out from (start)
+        self.in_flight: dict[int, tuple[int, list[int]]] = {}  # batch -> (global batch number, its examples)
         self.stats: dict[str, Any] = dict(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0,
                                           rollout_idle=0.0, rollout_busy=0.0)
         self.started = self.closed = False
@@ -236,9 +245,14 @@ class AsyncRollouts:
         return self.roles.rollout_of(self.ctx.rank)
 
     def start(self, trainer) -> None:
-        """The first k + 1 batches, all sampled with version 0 (the loaded policy)."""
+        """The first k + 1 batches, all sampled with the loaded policy (version 0, or the checkpoint's step after
+        a resume: the batches in flight when the job died are regenerated with the resumed weights)."""
         self.version = trainer.step
         self.next_batch = self.received = trainer.step
+        # Two cursors over one prompt order: the prompts go out from a copy that runs up to k + 1 batches ahead;
+        # trainer.sampler advances only when a batch's completions come back (receive), so a checkpoint's cursor
+        # is that of the batches trained and a resume regenerates the ones in flight, neither lost nor repeated.
+        self.ahead = copy.copy(trainer.sampler)
         self.started = True
         while self.next_batch <= trainer.step + self.k and self.next_batch < self.cfg.max_steps:
             self._send_batch(trainer)
@@ -250,12 +264,17 @@ class AsyncRollouts:
             self._send_batch(trainer)
 
     def _send_batch(self, trainer) -> None:
+        from grpo_dist import faults
         self._sync_weights(trainer, self.version)
-        examples = trainer.sampler.next_batch()  # the data cursor stays with the trainers
-        message = dict(batch=self.next_batch, batch_number=trainer.sampler.last_batch_number,
-                       indices=list(trainer.sampler.last_prompt_indices), examples=examples)
+        examples = self.ahead.next_batch()  # the data cursor stays with the trainers
+        message = dict(batch=self.next_batch, batch_number=self.ahead.last_batch_number,
+                       indices=list(self.ahead.last_prompt_indices), examples=examples)
+        self.in_flight[self.next_batch] = (message["batch_number"], list(self.ahead.last_global_indices))
         send_obj(message, self.peer, self.roles, f"the prompts of batch {self.next_batch}")
         self.next_batch += 1
+        if faults.due("kill_sent", self.next_batch, self.ctx.rank):  # tests: taken, then in flight when it dies
+            flush(self.roles)
+            faults.inject("kill_sent", self.next_batch, self.ctx.rank)
 
     def _sync_weights(self, trainer, version: int) -> None:
         """Header (version) on the sync group, then the weights when they are new. Every trainer rank runs
@@ -294,6 +313,7 @@ class AsyncRollouts:
         if msg["batch"] != step:
             raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {step}, got batch "
                                f"{msg['batch']} (protocol out of order)")
+        self._advance_cursor(trainer, step)
         self.stats["rollout_idle"], self.stats["rollout_busy"] = msg["idle_s"], msg["busy_s"]
         batch, rewards, per_function = msg["rollout"], msg["rewards"], msg["per_function"]
         lag = step - msg["version"]
@@ -304,6 +324,17 @@ class AsyncRollouts:
             batch = batch.rows(keep)
             rewards, per_function = [], {name: [] for name in per_function}
         return batch, rewards, per_function, msg["errors"], msg["decode"]
+
+    def _advance_cursor(self, trainer, step: int) -> None:
+        """Batch `step` trains: the trainer's own cursor takes it (what a checkpoint saves), and must name the
+        prompts that went out with it."""
+        from grpo_dist.trained_prompts import record
+        trainer.sampler.next_batch()
+        sent = self.in_flight.pop(step)
+        if sent != (trainer.sampler.last_batch_number, list(trainer.sampler.last_global_indices)):
+            raise RuntimeError(f"rank {self.ctx.rank}: batch {step} went out as global batch {sent[0]}, the "
+                               f"trainer's cursor is at {trainer.sampler.last_batch_number} (cursors out of step)")
+        record(step + 1, self.ctx.rank, trainer.sampler)
 
     def metrics(self, step_time_s: float) -> dict:
         """async/* of this step over the trainer ranks (two all-reduces, every trainer rank)."""

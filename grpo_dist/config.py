@@ -417,9 +417,10 @@ class GRPOConfig:
                        ("sampling_noise", self.sampling_noise, self.sampling_noise != "per_prompt"),
                        ("eval_steps", self.eval_steps, bool(self.eval_steps)),
                        ("full_eval_steps", self.full_eval_steps, bool(self.full_eval_steps)),
-                       ("resume_from_checkpoint", self.resume_from_checkpoint, bool(self.resume_from_checkpoint)),
                        ("lora.r", self.lora.r, bool(self.lora.r)),
-                       ("sft_coef", self.sft_coef, bool(self.sft_coef))]
+                       ("sft_coef", self.sft_coef, bool(self.sft_coef)),
+                       # online statistics come from graded groups, which the rollout ranks do not send back yet
+                       ("curriculum.mode", self.curriculum.mode, self.curriculum.mode == "online")]
         for key, value, bad_here in unsupported:
             if bad_here:
                 bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0 yet "

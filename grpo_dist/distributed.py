@@ -12,6 +12,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,49 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
     if group_size() > 1:
         for t in tensors:
             dist.broadcast(t, src=src, group=_GROUP)
+
+
+def broadcast_state(obj, device: torch.device, src: int = 0):
+    """Rank src's nested dicts / lists of tensors and plain values (what the others pass is ignored) on every
+    rank: the layout pickled once, then tensor by tensor on `device` (nccl needs CUDA tensors), each put back on
+    the device it had on rank src. A full copy per rank: for the checkpoints of a trainer group that torch's
+    broadcast_from_rank0 (the world group) cannot serve."""
+    if group_size() <= 1:
+        return obj
+    tensors: list[torch.Tensor] = []
+
+    def layout(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype, x.device.type)
+        if isinstance(x, dict):
+            return {k: layout(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(layout(v) for v in x)
+        return x
+
+    here = dist.get_rank() == src
+    skeleton = broadcast_object(layout(obj) if here else None, src)
+
+    def fill(x):
+        if isinstance(x, _Slot):
+            t = tensors[x.at].to(device) if here else torch.empty(x.shape, dtype=x.dtype, device=device)
+            dist.broadcast(t, src=src, group=_GROUP)
+            return t.to(x.device)
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+    return fill(skeleton)
+
+
+class _Slot(NamedTuple):
+    """broadcast_state's place of one tensor in the layout."""
+    at: int
+    shape: tuple
+    dtype: torch.dtype
+    device: str
 
 
 def gather_object(obj, dst: int = 0) -> list | None:

@@ -9,6 +9,8 @@ KIND is one of
                 heartbeat has published the phase): a hung rank, for the watchdog
     kill        rank R SIGKILLs itself in the middle of step N (after the backward, before the optimizer step)
     kill_save   rank R SIGKILLs itself while checkpoint-N is being written (files written, manifest not yet)
+    kill_sent   trainer rank R SIGKILLs itself once its rollout rank took the prompts of step N (asynchronous GRPO:
+                a kill with batches in flight)
     slow        from step N on, rollout rank R (rollout_ranks > 0) takes SLOW_FACTOR times as long over each batch
                 (it sleeps SLOW_FACTOR - 1 times what generating and grading the batch took): a slow peer, which
                 the run must wait for, not give up on
@@ -29,7 +31,7 @@ import sys
 import time
 
 ENV = "GRPO_DIST_FAULT"
-KINDS = ("nan", "nan_grad", "kill", "kill_save", "stop", "sigint", "slow")
+KINDS = ("nan", "nan_grad", "kill", "kill_save", "kill_sent", "stop", "sigint", "slow")
 SLOW_FACTOR = 10
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
 
@@ -45,6 +47,11 @@ def planned() -> list[tuple[str, int, int | None]]:
             raise ValueError(f"{ENV}: cannot read {item!r}; expected KIND@stepN[@rankR] with KIND in {KINDS}")
         out.append((m["kind"], int(m["step"]), int(m["rank"]) if m["rank"] is not None else None))
     return out
+
+
+def due(kind: str, step: int, rank: int) -> bool:
+    """Whether inject(kind, step, rank) would fire (for what must happen before it, e.g. a send completing)."""
+    return any(k == kind and s == step and r in (None, rank) for k, s, r in planned())
 
 
 def inject(kind: str, step: int, rank: int) -> bool:

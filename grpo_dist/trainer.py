@@ -59,6 +59,7 @@ from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, gener
                                        rollout_dtype, tied_aliases)
 from grpo_dist.sampling_noise import row_seed, row_seeds
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
+from grpo_dist.trained_prompts import record as record_prompts
 
 PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
 EMPTY_PASS_TOKENS = 2  # the forward an empty micro-batch runs to keep the collectives in step
@@ -498,6 +499,7 @@ class GRPOTrainer:
             return batch, rewards, per_function
         with timer("rollout"):
             examples = self.sampler.next_batch()
+            record_prompts(self.step + 1, self.ctx.rank, self.sampler)  # GRPO_DIST_TRAINED_PROMPTS (tests)
             self._plan_group_sizes()
             batch = self.rollout(examples, refresh)
         with timer("reward"):

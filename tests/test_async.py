@@ -153,6 +153,7 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
     (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
     (["rollout_ranks=1", "rollout_engine=vllm"], "rollout_engine"),
     (["rollout_ranks=1", "dynamic_sampling=true"], "dynamic_sampling"),
+    (["rollout_ranks=1", "curriculum.mode=online"], "curriculum.mode"),
 ])
 def test_settings_that_cannot_apply_are_refused_at_start(overrides, key):
     from grpo_dist.config import ConfigError, load_config

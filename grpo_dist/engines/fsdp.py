@@ -186,9 +186,6 @@ class FSDPEngine(TorchEngine):
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         # Rank 0 holds the dicts; the others receive their shards by broadcast (one copy in host memory per node).
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
-        # every rank loads an optimizer state, or none does (rank 0 alone knows whether there is one)
-        self._load_optimizer_from_rank0(optim_state, opts)
+        # Every rank loads an optimizer state, or none does (rank 0 alone knows whether there is one).
+        self._load_full_from_rank0(model_state, optim_state)

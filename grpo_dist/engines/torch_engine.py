@@ -134,6 +134,23 @@ class TorchEngine(Engine):
         if not started:
             self.optimizer.state.clear()  # saved before the first step: no state, as a fresh optimizer has
 
+    def _load_full_from_rank0(self, model_state, optim_state) -> None:
+        """Collective: rank 0's full model and optimizer dicts (None elsewhere) into every rank's shards. torch's
+        broadcast_from_rank0 broadcasts on the world group: where the trainers are a group of their own (rollout
+        ranks, async_rollout.py) the rollout ranks never join it, so there every trainer takes a full copy over
+        the trainer group (gdist.broadcast_state, held in host memory as rank 0 holds it) and loads it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        if gdist.group() is None:
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+            set_model_state_dict(self.module, model_state if self.ctx.is_main else {}, options=opts)
+            self._load_optimizer_from_rank0(optim_state, opts)
+            return
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(self.module, gdist.broadcast_state(model_state, self.ctx.device), options=opts)
+        optim_state = gdist.broadcast_state(optim_state, self.ctx.device)
+        if optim_state is not None:  # None on rank 0: None on every rank
+            self._load_optimizer(optim_state, bool(optim_state.get("state")), opts)
+
     def _load_optimizer_from_rank0(self, optim_state: dict | None, opts) -> None:
         """Collective. Only rank 0 holds the dict: its answers (a state or none; stepped or not) are broadcast
         first, so that every rank makes the same set_optimizer_state_dict call, or none does."""
