@@ -237,7 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--max-prompt-length", type=int, default=128)
     ap.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch of the 'on' configurations "
-                    "(0: 8192, --quick 1024)")
+                    "(0: 2048, --quick 1024; at 4096 and 8192 a rank of the full-size SmolLM2 step reached "
+                    "12 GB and 2 ranks ran a 24 GB machine out of memory; at 2048 9.9 GB)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step, all ranks (G = 8 rows each)")
     ap.add_argument("--length-cap", dest="scale_cap", type=int, default=0, help="a reduced run: cap the lengths "
                     "at N, median and p95 scaled by N / 1024 (0: 1024, --quick 128)")
@@ -266,7 +267,7 @@ def main(argv=None) -> None:
     scale = dict(median=20, p95=90, cap=128) if args.quick else dict(median=200, p95=900, cap=1024)
     if args.scale_cap:
         scale = dict(median=200 * args.scale_cap / 1024, p95=900 * args.scale_cap / 1024, cap=args.scale_cap)
-    budget = args.budget or (1024 if args.quick else 8192)
+    budget = args.budget or (1024 if args.quick else 2048)
     # the distribution's own figures, before any run
     ls = lengths(args.prompts * 8, scale["median"], scale["p95"], scale["cap"])
     print(f"lengths: {len(ls)} rows, median {sorted(ls)[len(ls) // 2]}, p95 {sorted(ls)[int(0.95 * len(ls))]}, "
