@@ -171,3 +171,19 @@ def in_process(fn):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def async_rank(overrides, out_dir):
+    """One rank of an asynchronous run (rollout_ranks > 0) or a colocated one: (trainer, None) on a trainer rank,
+    (None, serve's exit code) on a rollout rank once it has served. Call inside a spawned rank."""
+    from grpo_dist.async_rollout import serve, setup
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    cfg = load_config(None, overrides + [f"output_dir={out_dir}"])
+    ctx = init_distributed(cfg.distributed.timeout_s)
+    if cfg.rollout_ranks:
+        roles, ctx = setup(cfg, ctx)
+        if not roles.is_trainer:
+            return None, serve(cfg, roles, ctx)
+    return GRPOTrainer(cfg, ctx), None

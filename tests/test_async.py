@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_utils import free_port, run_ranks
-from helpers import RESUME_BASE, tensors_equal
+from helpers import RESUME_BASE, async_rank, tensors_equal
 
 STEPS = 3
 BASE = [o for o in RESUME_BASE if not o.startswith(("max_steps", "report_to", "distributed.timeout_s"))] + \
@@ -20,18 +20,11 @@ BASE = [o for o in RESUME_BASE if not o.startswith(("max_steps", "report_to", "d
 
 
 def _train(rank, world_size, overrides, out_dir):
-    from grpo_dist.async_rollout import PeerLost, serve, setup
-    from grpo_dist.config import load_config
-    from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer
-    cfg = load_config(None, BASE + overrides + [f"output_dir={out_dir}"])
-    ctx = init_distributed(cfg.distributed.timeout_s)
-    if cfg.rollout_ranks:
-        roles, ctx = setup(cfg, ctx)
-        if not roles.is_trainer:
-            return {"served": serve(cfg, roles, ctx)}
+    from grpo_dist.async_rollout import PeerLost
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(cfg, ctx)
+    trainer, served = async_rank(BASE + overrides, out_dir)
+    if trainer is None:
+        return {"served": served}
     try:
         code = trainer.train()
     except PeerLost as e:

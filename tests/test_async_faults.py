@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_utils import free_port, run_ranks
-from helpers import RESUME_BASE
+from helpers import RESUME_BASE, async_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [o for o in RESUME_BASE if not o.startswith(("max_steps", "report_to", "distributed.timeout_s"))] + \
@@ -114,18 +114,11 @@ def test_a_trainer_that_fails_tells_the_rollout_rank_which_stops_at_once(tmp_pat
 
 # ------------------------------------------------------------------------------------- a slow rollout rank (objects)
 def _train(rank, world_size, overrides, out_dir, env):
-    from grpo_dist.async_rollout import PeerLost, serve, setup
-    from grpo_dist.config import load_config
-    from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer
+    from grpo_dist.async_rollout import PeerLost
     os.environ.update(env)
-    cfg = load_config(None, BASE + overrides + [f"output_dir={out_dir}"])
-    ctx = init_distributed(cfg.distributed.timeout_s)
-    if cfg.rollout_ranks:
-        roles, ctx = setup(cfg, ctx)
-        if not roles.is_trainer:
-            return {"served": serve(cfg, roles, ctx)}
-    trainer = GRPOTrainer(cfg, ctx)
+    trainer, served = async_rank(BASE + overrides, out_dir)
+    if trainer is None:
+        return {"served": served}
     held = {"replica": trainer.gen_model is not None, "engine": type(trainer.rollout_engine).__name__,
             "params": _params(trainer), "replica_params": _params(trainer, replica_only=True)}
     if env.get("build_only"):

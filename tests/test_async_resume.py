@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_utils import free_port, run_ranks
-from helpers import RESUME_BASE, tensors_equal
+from helpers import RESUME_BASE, async_rank, tensors_equal
 
 STEPS, SAVE, EXAMPLES = 5, 2, 8  # global batch 2: 4 steps per epoch, step 5 starts the second epoch
 BASE = [o for o in RESUME_BASE if not o.startswith(("max_steps", "report_to", "distributed.timeout_s",
@@ -32,17 +32,9 @@ def _overrides(trainers: int, rollouts: int, k: int = 0) -> list[str]:
 def _train(rank, world_size, overrides, out_dir, record_dir, fault=""):
     os.environ["GRPO_DIST_TRAINED_PROMPTS"] = record_dir
     os.environ["GRPO_DIST_FAULT"] = fault
-    from grpo_dist.async_rollout import serve, setup
-    from grpo_dist.config import load_config
-    from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer
-    cfg = load_config(None, overrides + [f"output_dir={out_dir}"])
-    ctx = init_distributed(cfg.distributed.timeout_s)
-    if cfg.rollout_ranks:
-        roles, ctx = setup(cfg, ctx)
-        if not roles.is_trainer:
-            return {"served": serve(cfg, roles, ctx)}
-    trainer = GRPOTrainer(cfg, ctx)
+    trainer, served = async_rank(overrides, out_dir)
+    if trainer is None:
+        return {"served": served}
     start = trainer.step
     code = trainer.train()
     sd, osd = trainer.engine.gather_full_state()
