@@ -61,7 +61,7 @@ def test_labelled_set_latency():
     ("The final answer is $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
     ("The final answer is 3.5.", "3.5"),
     ("Final answer: 17", "17"),
-    ("the answer is 42", None),
+    ("the answer is 42", "42"),                         # one statement of one value (round 5)
     ("", None),
     ("\\boxed{5", None),
 ])

@@ -31,8 +31,8 @@ WORK = "We set up the equation and solve it step by step: 3x + 1 = 7 gives x = 2
     (WORK + "Therefore, the roots are 2 and 3.", "3", 0),
     (WORK + "Therefore, the roots are 2 and 3.", "2, 3", 1),
     (WORK * 3 + "Therefore, we now compute 17 more terms of the sequence and", "17", 0),
-    # a lone prose sentence is still no answer (rule 3): a marker or a box is needed
-    ("Therefore, the answer is 42.", "42", 0),
+    # a lone statement answers with its one value (rule 3c, round 5); two candidate values are no answer
+    ("Therefore, the answer is 42.", "42", 1),
     ("so the number is 10 which is 1,000.99", "1000.99", 0),
     ("The answer is: 1,000.99 m", "1000.99", 1),     # marked: the thousands separator and unit are read
 ])

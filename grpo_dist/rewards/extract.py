@@ -271,6 +271,10 @@ def _number_in_words(ans: str):
     return nums[0] if len(nums) == 1 and len(re.findall(r"\d+", ans)) == len(re.findall(r"\d+", nums[0])) else None
 
 
+# Words that make a short line of short words a sentence, not math ("it is 5", "not it's 10").
+_SPOKEN_RE = re.compile(r"(?i)(?<![\\A-Za-z])(?:is|it|it's|its|are|was|the|not|no|we|so|be)(?![A-Za-z'])")
+
+
 def answer_group(text: str):
     """(parts, ordered): answer_parts, and whether the parts are the ordered answers of a question's parts.
     None parts when there is no answer (or it is denied by the words after it)."""
@@ -294,9 +298,9 @@ def answer_group(text: str):
             return None, False
         return _box_group(text, spans)
     bare = _bare_answer(text)
-    if not bare:
-        from .prose import final_sentence_answer  # rule 3b: the value the final sentence states
-        bare = final_sentence_answer(text)
+    if not bare or _SPOKEN_RE.search(bare):  # "it is 5, not 7" is a sentence of short words, not math
+        from .prose import final_sentence_answer, lone_statement_answer
+        bare = final_sentence_answer(text) or lone_statement_answer(text) or bare  # rules 3b and 3c
     return ([bare] if bare else None), False
 
 

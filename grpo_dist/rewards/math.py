@@ -58,8 +58,15 @@ cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
    (``5``, ``$x = 2$``, ``\\(\\frac12\\)``, ``Yes``); a one-line sentence whose only
    math is one delimited segment at its end gives that segment ("The answer is
    $5$." -> 5), also before a short clause pointing at it ("Therefore $x \\ge 5$
-   is the solution.").  Prose without math markup ("The answer is 42.") and
-   sentences with several segments give no answer.
+   is the solution.").  Sentences with several segments give no answer.
+3c. One short statement [round 5, grpo_dist/rewards/prose.py].  A completion
+   that is a single sentence of at most BARE_MAX_CHARS characters, with no box
+   and no marker, answers with the one value it asserts: "the answer is 42",
+   "We computed it and it is 5.", "the number is not 10 which is 1,000.99"
+   (a value right after "not" is denied, not a candidate).  Refused: a hedge
+   word or "?", a second candidate value ("the number is 10 which is 12"), a
+   number in words, any other negation ("5 is not the answer"), denying words
+   after the value, and a value no verb, "=" or ":" asserts ("Step 1: ...").
 3b. Concluding sentence [round 4, grpo_dist/rewards/prose.py].  With no box, no
    marker and no bare answer, the last sentence of a *worked* solution (at
    least one sentence before it) that opens with therefore / thus / hence / so

@@ -1,4 +1,6 @@
-"""The answer of a completion that ends in a plain sentence, with no box and no final-answer marker.
+"""The answer of a completion that ends in a plain sentence, with no box and no final-answer marker: the
+concluding sentence of worked text (rule 3b, below) or a completion that is one short statement (rule 3c,
+``lone_statement_answer``).
 
 Rule 3b of grpo_dist.rewards.math (docs/grading.md, "Answers in prose"): the *final sentence* of the completion
 states its answer, the way a person reads a worked solution that ends "Therefore, the probability that Alice wins
@@ -98,3 +100,58 @@ def final_sentence_answer(text: str) -> str | None:
             break
         run.insert(0, prev)
     return ", ".join(v for _, _, v in run)
+
+
+# Rule 3c: a completion that is one short statement.  Words that deny something somewhere in the statement
+# (not only right before a value) make it ambiguous: "5 is not the answer", "not it's 7".
+_NEGATION_RE = re.compile(r"(?i)\b(?:not|no|never|none|nor|neither|cannot|wrong|incorrect|false|except|unless|"
+                          r"instead|rather)\b|n't\b|\bisnt\b")
+# A number written in words is a second candidate value ("it is 5 and seven").
+_NUMBER_WORD_RE = re.compile(r"(?i)\b(?:zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|"
+                             r"thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|"
+                             r"forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|half|"
+                             r"third|quarter|twice|double|triple)\b")
+# The value must be asserted: the words right before it say it is the value ("is 5", "= 5", ": 5", "it's 5"),
+# a currency sign allowed in between ("is $5", "is \$5", "is €5").
+_ASSERTS_RE = re.compile(r"(?i)(?:\b(?:is|are|was|were|equals?|be|gives?|get|got|makes?|comes\s+to)|'s|=|:)"
+                         r"\s*(?:\\?\$|€|£)?\s*$")
+
+
+def lone_statement_answer(text: str) -> str | None:
+    """The value of a completion that is one short statement asserting exactly one value (rule 3c), or None.
+
+    "the answer is 42", "We computed it and it is 5.", "Soucis : 2,74 $": one line of at most BARE_MAX_CHARS
+    characters, one sentence, no box.  Refused: a hedge word or "?", a second candidate value (a value denied
+    by a "not" right before it does not count: "the number is not 10 which is 1,000.99" is 1000.99), a
+    number in words, any other negation ("5 is not it"), words after the value that deny it, and a value that
+    nothing asserts ("Step 1: add the terms.")."""
+    t = _COURTESY_RE.sub("", end_of_turn(text)).strip().rstrip(".! ")
+    if (not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t
+            or _HEDGE_RE.search(t) or _NUMBER_WORD_RE.search(t) or _has_sentence_end(t)):
+        return None
+    values, denials = [], 0
+    for m in _VALUE_RE.finditer(t):
+        body = m.group("seg") if m.group("seg") is not None else m.group("num")
+        if m.group("seg") is not None and not re.search(r"\d", body):
+            continue  # "$f(x)$" names what is asked: words
+        if _NOT_BEFORE_RE.search(t[:m.start()]):
+            denials += 1  # "not 10": denied, not a candidate
+            continue
+        values.append(m)
+    if len(values) != 1 or len(_NEGATION_RE.findall(t)) != denials:
+        return None
+    m = values[0]
+    if not _ASSERTS_RE.search(t[:m.start()]) or denied(t[m.end():]):
+        return None
+    return (m.group("seg") if m.group("seg") is not None else m.group("num")).strip()
+
+
+def _has_sentence_end(t: str) -> bool:
+    """A sentence end outside $...$ before the end of t: more than one sentence."""
+    in_math = False
+    for i, c in enumerate(t):
+        if c == "$" and (i == 0 or t[i - 1] != "\\"):
+            in_math = not in_math
+        elif not in_math and _SENTENCE_END_RE.match(t, i) is not None:
+            return True
+    return False
