@@ -138,7 +138,10 @@ cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
    is read as LaTeX outside matrices [over_escaped].
    Units in ``\\text``/``\\textnormal``/``\\mathrm`` and common unit words after a
    number are dropped.
-9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``;
+9. Sets [set_notation].  ``{2, 5}`` with bare braces is the set ``\\{2, 5\\}``,
+   except against a reference tuple ``(2, 5)``: in LaTeX bare braces are a
+   group and ``${2,5}$`` renders as 2,5, so the answer equals the pair in its
+   written order (``{5,2}`` does not) [round 5];
    ``\\mathbb{R}``, ``ℝ`` and "all real numbers" are ``(-\\infty, \\infty)``;
    ``\\{1,2\\} \\cup \\{3\\}`` is ``\\{1,2,3\\}``; a set-builder ``\\{x \\mid x > 2\\}`` is
    its condition (so it equals ``(2, \\infty)``).  Set braces doubled, or with
@@ -199,7 +202,7 @@ from grpo_dist.rewards.extract import (
     MATH_WORDS, MAX_ANSWER_CHARS, UNIT_WORDS, answer_group, answer_parts, reference_boxes, split_top_level,
 )
 from grpo_dist.rewards.parser import (
-    EVAL_DPS, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
+    EVAL_DPS, BraceSet, EvalError, Matrix, Multi, ParseError, Rel, SetV, Tup, UnionV, mp_eval, parse,
 )
 from grpo_dist.rewards.prose import end_of_turn
 
@@ -874,6 +877,8 @@ def values_equiv(a, b, dec: bool) -> bool:
             return ib is not None and values_equiv(a, ib, dec)
         vb = _rel_value(b)
         return vb is not None and values_equiv(a, vb, dec)
+    if isinstance(a, BraceSet) and isinstance(b, Tup) and (b.left, b.right) == ("(", ")"):
+        return _ordered(a.items, b.items, dec)  # the answer ${1,3}$ renders as 1,3: the pair in its order
     if isinstance(a, Tup) and isinstance(b, Tup):
         return a.left == b.left and a.right == b.right and _ordered(a.items, b.items, dec)
     if isinstance(a, SetV) and isinstance(b, SetV):

@@ -29,7 +29,7 @@ import sympy
 from grpo_dist.rewards.extract import MAX_ANSWER_CHARS
 
 __all__ = [
-    "ParseError", "parse", "Tup", "SetV", "UnionV", "Rel", "Matrix", "Multi", "PMList",
+    "ParseError", "parse", "Tup", "SetV", "BraceSet", "UnionV", "Rel", "Matrix", "Multi", "PMList",
     "MAX_DEPTH", "MAX_BITS",
 ]
 
@@ -70,6 +70,16 @@ class SetV:
 
     def __repr__(self):
         return f"SetV({self.items})"
+
+
+class BraceSet(SetV):
+    """A list in bare braces, ``{2, 5}``: a set, unless the reference is an ordered tuple -- then it is the TeX
+    group LaTeX renders it as, the list 2, 5 in its written order (``{5, 2}`` is not ``(2, 5)``)."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return f"BraceSet({self.items})"
 
 
 class UnionV:
@@ -703,7 +713,7 @@ class _Parser:
                     self.leave()
                 if len(items) == 1 and not isinstance(items[0], PMList):
                     return items[0]
-                return SetV(_flatten(items))
+                return BraceSet(_flatten(items))
             if val == "|":
                 self.abs_depth += 1
                 try:
