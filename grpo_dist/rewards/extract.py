@@ -51,7 +51,8 @@ def _brace_span(text: str, start: int, limit: int):
 
 def reference_boxes(text: str) -> list:
     """The answer boxes of a reference: the last box group, where a gap may also name what the value before it
-    counts (``\\boxed{1} papers and \\boxed{2} bins``: a joining word and at most two other words)."""
+    counts (``\\boxed{1} papers and \\boxed{2} bins``: a joining word and at most two other words) or be symbols
+    only (``\\boxed{35} ++++++ \\boxed{4}``: no letter, digit or command, at most 40 characters)."""
     spans = _box_spans(text)
     if not spans:
         return []
@@ -60,7 +61,8 @@ def reference_boxes(text: str) -> list:
         gap = text[prev[1]:group[0][0]]
         words = re.findall(r"[A-Za-z]+", gap)
         joined = any(w.lower() in ("and", "or") for w in words) or "," in gap or ";" in gap
-        if not (_connective(gap) or (joined and len(words) <= 3 and len(gap) <= 40)):
+        symbols_only = re.fullmatch(r"[^\w\\]{1,40}", gap) is not None  # "\boxed{35} ++++++ \boxed{4}"
+        if not (_connective(gap) or symbols_only or (joined and len(words) <= 3 and len(gap) <= 40)):
             break
         group.insert(0, prev)
     return [c for _, _, c in group]

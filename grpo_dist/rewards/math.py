@@ -38,7 +38,7 @@ cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
    ``..., no, that is not it``) is no answer [choice_denied].  In a *reference*
    every box of the last group is its answer, and a gap of a joining word and
    at most two other words also joins (``\\boxed{1} papers and \\boxed{2} bins``
-   is ``1, 2``).
+   is ``1, 2``), as does a gap of symbols only (``\\boxed{35} ++++++ \\boxed{4}``).
 2. Final-answer phrases [final_phrase].  ``Final answer: ...`` / ``final
    answer is ...`` / ``answer: ...`` / ``The answer is: ...`` (a colon is
    required after a bare "answer is"; prose such as "the answer is 42" is not a
