@@ -174,6 +174,10 @@ parser in :mod:`grpo_dist.rewards.parser` (no ``eval``/``sympify``).  Then:
   generic points (a randomised identity test; no ``simplify``, so it is bounded);
 * equations compare their right-hand sides when the left side is the same
   label (``x = 5`` vs ``5``), else ``lhs - rhs`` up to a constant factor;
+* a sum or product over an index (``\\sum_{k=0}^{n-1} F_k F_{n-k-1}``) is never
+  evaluated: it equals only the same sum, factors and terms in any order
+  (``F_{n-k-1} F_k``), and a subscript such as ``n-k-1`` is part of a name
+  [round 5];
 * matrices compare element-wise; percent answers match both ``p`` and
   ``p/100``; text answers compare case-insensitively.
 

@@ -643,6 +643,8 @@ class _Parser:
                     pass  # a numeral written in base `sub`: keep its digits
                 elif isinstance(v, sympy.Symbol) and _is_expr(sub) and (sub.is_Integer or sub.is_Symbol):
                     v = sympy.Symbol(f"{v.name}_{sub}")
+                elif isinstance(v, sympy.Symbol) and _is_index_expression(sub):
+                    v = sympy.Symbol(f"{v.name}_{{{sympy.sstr(sub)}}}")  # F_{n-k-1}: F_{-k + n - 1}, one name
                 else:
                     raise ParseError("unsupported subscript")
             else:
@@ -820,7 +822,28 @@ class _Parser:
             return guarded_binomial(n, k)
         if name in _FUNCS:
             return self.parse_function(name)
+        if name in ("sum", "prod"):
+            return self.parse_big_operator(name)
         raise ParseError(f"unsupported command \\{name}")
+
+    def parse_big_operator(self, name):
+        """``\\sum_{k=0}^{n-1} F_k F_{n-k-1}``: an unevaluated sympy Sum (Product) over one index, its body the
+        product that follows.  It is never evaluated (no numeric value, so no cost whatever its bounds): two
+        sums are equal when they are one expression up to the order of the factors and terms (sympy's canonical
+        form), else not -- ``\\sum_{k=1}^{3} k`` is not graded equal to 6, and a renamed index is another sum."""
+        self.expect("op", "_")
+        self.expect("op", "{")
+        index = self.take()
+        if index[0] != "id" or index[1] in ("i", "e"):  # i and e are constants in the body
+            raise ParseError("bad summation index")
+        self.expect("rel", "=")
+        lower = _expr(self.parse_additive())
+        self.expect("op", "}")
+        self.expect("op", "^")
+        upper = _expr(self.parse_arg())
+        body = _expr(self.parse_term())
+        op = sympy.Sum if name == "sum" else sympy.Product
+        return op(body, (sympy.Symbol(index[1]), lower, upper))
 
     def parse_function(self, name):
         base = None
@@ -863,6 +886,17 @@ class _Parser:
         if power is not None:
             r = guarded_pow(r, power)
         return r
+
+
+MAX_INDEX_CHARS = 24      # longest subscript expression kept as part of a name (F_{n-k-1})
+
+
+def _is_index_expression(sub) -> bool:
+    """A subscript such as ``n-k-1`` or ``2n``: sums and products of symbols and integers only, short."""
+    if not _is_expr(sub) or len(sympy.sstr(sub)) > MAX_INDEX_CHARS:
+        return False
+    return all((a.is_Add or a.is_Mul) if a.args else (a.is_Integer or a.is_Symbol)
+               for a in sympy.preorder_traversal(sub))
 
 
 def _is_mixed_number(first_tokens, tok, right) -> bool:
