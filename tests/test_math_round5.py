@@ -37,6 +37,12 @@ pytestmark = pytest.mark.fast
     ("not it's 42", "42", 0),
     ("the answer is 42, which is wrong", "42", 0),
     ("Step 1: add the terms.", "1", 0),
+    # math that goes on after the number: not that number (a unit glued to it is no math)
+    ("the answer is 10^6", "10", 0),
+    ("the answer is 3x", "3", 0),
+    ("the answer is 2 + 3", "2", 0),
+    ("the answer is 5 squared", "5", 0),
+    ("it is 12cm", "12", 1),
     # longer than one short line, or a turn the model invented after its own: no statement
     ("We computed it with care, checking each of the cases in turn and all of the sums twice, and after all of "
      "that work we found that it is 5.", "5", 0),                # over BARE_MAX_CHARS (120)

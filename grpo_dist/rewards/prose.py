@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from .extract import BARE_MAX_CHARS, denied
+from .extract import BARE_MAX_CHARS, UNIT_WORDS, denied
 
 # Tokens that end a chat turn in the common templates (ChatML, Llama 3, Gemma, SentencePiece EOS).
 _END_OF_TURN_RE = re.compile(r"<\|im_end\|>|<\|im_start\|>|<\|endoftext\|>|<\|eot_id\|>|<\|end\|>|"
@@ -116,6 +116,11 @@ _NUMBER_WORD_RE = re.compile(r"(?i)\b(?:zero|one|two|three|four|five|six|seven|e
 _ASSERTS_RE = re.compile(r"(?i)(?:\b(?:is|are|was|were|equals?|be|gives?|get|got|makes?|comes\s+to)|'s|=|:)"
                          r"\s*(?:\\?\$|€|£)?\s*$")
 
+# Math that goes on after the number: "10^6", "3x", "2 + 3", "5 squared" are not the value 10, 3, 2 or 5. A unit
+# glued to it is no math ("1,000.99m^{2}", "12cm").
+_MORE_MATH_RE = re.compile(rf"(?i)\s*[\^*+\-=\\(_×·]|(?!(?:{UNIT_WORDS})(?![A-Za-z]))[A-Za-z]|"
+                           r"\s+(?:squared|cubed|factorial|to\s+the|over|divided|plus|minus|times)\b")
+
 
 def lone_statement_answer(text: str) -> str | None:
     """The value of a completion that is one short statement asserting exactly one value (rule 3c), or None.
@@ -141,7 +146,7 @@ def lone_statement_answer(text: str) -> str | None:
     if len(values) != 1 or len(_NEGATION_RE.findall(t)) != denials:
         return None
     m = values[0]
-    if not _ASSERTS_RE.search(t[:m.start()]) or denied(t[m.end():]):
+    if not _ASSERTS_RE.search(t[:m.start()]) or denied(t[m.end():]) or _MORE_MATH_RE.match(t, m.end()):
         return None
     return (m.group("seg") if m.group("seg") is not None else m.group("num")).strip()
 
