@@ -130,6 +130,8 @@ def lone_statement_answer(text: str) -> str | None:
     by a "not" right before it does not count: "the number is not 10 which is 1,000.99" is 1000.99), a
     number in words, any other negation ("5 is not it"), words after the value that deny it, and a value that
     nothing asserts ("Step 1: add the terms.")."""
+    if len(text) > 2 * BARE_MAX_CHARS and len(text.strip()) > 2 * BARE_MAX_CHARS:
+        return None  # far too long for one short statement, whatever courtesy or turn ends it (cheap on 1 MB)
     t = _COURTESY_RE.sub("", end_of_turn(text)).strip().rstrip(".! ")
     if (not t or len(t) > BARE_MAX_CHARS or "\n" in t or "\\boxed" in t or "\\fbox" in t
             or _HEDGE_RE.search(t) or _NUMBER_WORD_RE.search(t) or _has_sentence_end(t)):
