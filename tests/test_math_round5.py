@@ -111,3 +111,17 @@ FIB = "$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$"
 ])
 def test_sum_over_an_index(answer, reference, expected):
     assert math_reward(answer, reference) == float(expected)
+
+
+@pytest.mark.parametrize("completion,reference,expected", [
+    # a final-answer phrase in words names its one number (rule 2, phrase_number) ...
+    ("Final Answer: Jane ran 5 laps", "5", 1),
+    ("Final Answer: Jane started 3 hours ago", "3", 1),
+    # ... unless the words hedge, name another number in words or deny: paid for 5 before round 5
+    ("The final answer is seven or 5.", "5", 0),
+    ("Final Answer: maybe three, maybe 5", "5", 0),
+    ("Final Answer: probably 5 laps", "5", 0),
+    ("Final Answer: Jane did not run 5 laps", "5", 0),
+])
+def test_phrase_number_never_pays_a_hedge(completion, reference, expected):
+    assert math_reward(completion, reference) == float(expected)

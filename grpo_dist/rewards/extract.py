@@ -269,6 +269,9 @@ def _number_in_words(ans: str):
     ans = re.sub(r"\$[^$\d]{1,40}\$", " ", ans)  # "the domain of $f(x)$ is 19": math without a number is words
     if "$" in ans or "\\" in ans or not _has_prose(ans) or len(ans.split()) < 3 or _PERCENT_AFTER_RE.search(ans):
         return None  # "35 percent" is a percent answer, not the number 35
+    from .prose import hedged
+    if hedged(ans):
+        return None  # "seven or 5", "maybe three, maybe 5", "probably 5 laps": a hedge names no one number
     nums = _NUMBER_RE.findall(ans)
     return nums[0] if len(nums) == 1 and len(re.findall(r"\d+", ans)) == len(re.findall(r"\d+", nums[0])) else None
 

@@ -122,6 +122,11 @@ _MORE_MATH_RE = re.compile(rf"(?i)\s*[\^*+\-=\\(_×·]|(?!(?:{UNIT_WORDS})(?![A-
                            r"\s+(?:squared|cubed|factorial|to\s+the|over|divided|plus|minus|times)\b")
 
 
+def hedged(words: str) -> bool:
+    """True when a sentence hedges, names a number in words or denies something: it states no one value."""
+    return bool(_HEDGE_RE.search(words) or _NUMBER_WORD_RE.search(words) or _NEGATION_RE.search(words))
+
+
 def lone_statement_answer(text: str) -> str | None:
     """The value of a completion that is one short statement asserting exactly one value (rule 3c), or None.
 
