@@ -19,7 +19,9 @@ A grader that pays for hedging teaches the policy to hedge, so every rule below
 says both what is accepted and what is refused.  Each rule has pass and fail
 cases in ``tests/data/math_cases_round2.jsonl`` and, for the issue-25 rules,
 ``tests/data/math_cases_round3.jsonl`` (the category in brackets), checked by
-``tests/test_math_round2.py`` and ``tests/test_math_round3.py``.
+``tests/test_math_round2.py`` and ``tests/test_math_round3.py``; the rules marked
+round 4 and round 5 have theirs in ``tests/test_math_round4.py`` and
+``tests/test_math_round5.py``.
 
 1. Which box counts [boxed_list, hedge].  The answer is the *last* ``\\boxed{}``
    / ``\\fbox{}`` together with the boxes chained to it: a box belongs to the
