@@ -390,7 +390,8 @@ def cmd_long(a) -> None:
     forced = abs(m["completion_length_mean"] - mean) < 1e-6 and m["completion_length_max"] == max(targets)
     tokens = {}
     for p in LONG_PASSES:
-        done, need = float(m.get(f"tokens/processed_{p}", 0.0)), float(m.get(f"tokens/useful_{p}", 0.0))
+        done = float(m.get(f"tokens/processed_{p}", 0.0))  # useful less the prompt copies share_prompts saved
+        need = float(m.get(f"tokens/useful_{p}", 0.0)) - float(m.get(f"tokens/shared_{p}", 0.0))
         tokens[p] = dict(processed=done, useful=need, padding_fraction=round(1 - need / done, 4) if done else 0.0)
     pad = {p: t["padding_fraction"] for p, t in tokens.items()}
     times = dict(rollout_s=round(m["time_rollout_s"], 3), logprobs_s=round(m.get("time_logprobs_s", 0.0), 3),

@@ -171,8 +171,10 @@ def worker(args) -> None:
         expected_mean = sum(targets_all) / len(targets_all)
         if abs(m["completion_length_mean"] - expected_mean) > 1e-6:
             raise RuntimeError(f"completion lengths {m['completion_length_mean']} != forced {expected_mean}")
+        # useful: the real tokens less the prompt copies share_prompts did not need (processed - useful = padding)
         tokens = {"decode": decode, **{p: {"processed": float(m[f"tokens/processed_{p}"]),
-                                           "useful": float(m[f"tokens/useful_{p}"])} for p in PASSES[1:]}}
+                                           "useful": float(m[f"tokens/useful_{p}"]) -
+                                           float(m.get(f"tokens/shared_{p}", 0.0))} for p in PASSES[1:]}}
         print(json.dumps({
             "time_s": {"rollout": round(m["time_rollout_s"], 3), "logprobs": round(m.get("time_logprobs_s", 0.0), 3),
                        "update": round(m["time_update_s"], 3), "reward": round(m["time_reward_s"], 3)},

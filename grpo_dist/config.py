@@ -368,6 +368,10 @@ class GRPOConfig:
     padding_free: bool = _f(True, "reference, old-policy and training passes on packed rows (sequences concatenated, "
                             "position_ids restarting per sequence, no pad token computed); a model or attention "
                             "implementation that cannot pack falls back to padded rows, saying so once")
+    share_prompts: bool = _f(True, "with padding_free, the completions of one prompt attend to one copy of its tokens "
+                             "in the log-prob and training passes (a group costs prompt + completions, not G x "
+                             "(prompt + completion); same numbers); needs sdpa attention, else falls back saying so "
+                             "once")
     max_consecutive_nonfinite: int = _f(3, "stop after this many skipped steps in a row (NaN/inf loss or grads)")
     # Sections
     model: ModelConfig = _f(factory=ModelConfig, help="model section")

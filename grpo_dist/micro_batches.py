@@ -51,36 +51,55 @@ def _contiguous(order: list[int], lengths: dict, limit: int, row_cap: int) -> li
     return out + [run] if run else out
 
 
-def _lpt(order: list[int], lengths: dict, bins: int, budget: int, row_cap: int) -> list[list[int]] | None:
-    """Longest first into the least loaded of `bins` micro-batches with room (tokens and rows); None if a row
-    finds none."""
+def _lpt(items: list[tuple[list[int], int]], bins: int, budget: int, row_cap: int) -> list[list[int]] | None:
+    """Items (rows, tokens), longest first, into the least loaded of `bins` micro-batches with room (tokens and
+    rows); None if an item finds none."""
     load = [0] * bins
     members: list[list[int]] = [[] for _ in range(bins)]
-    for r in order:
-        t = sum(lengths[r])
-        room = [b for b in range(bins) if len(members[b]) < row_cap and
+    for rows, t in sorted(items, key=lambda it: (-it[1], it[0][0])):
+        room = [b for b in range(bins) if len(members[b]) + len(rows) <= row_cap and
                 (load[b] + t <= budget or not members[b])]
         if not room:
             return None
         b = min(room, key=lambda k: (load[k], k))
         load[b] += t
-        members[b].append(r)
+        members[b] += rows
     return [m for m in members if m]
 
 
+def shared_items(lengths: dict[int, tuple[int, int]], groups: list[list[int]], budget: int,
+                 row_cap: int) -> list[tuple[list[int], int]]:
+    """share_prompts: the rows of each prompt group as one item costing the prompt once plus their completions; a
+    group over the budget or the row cap is cut into items that fit, each paying its prompt."""
+    items: list[tuple[list[int], int]] = []
+    for group in groups:
+        p = lengths[group[0]][0]
+        rows: list[int] = []
+        cost = p
+        for r in sorted(group, key=lambda r: (-lengths[r][1], r)):
+            if rows and (cost + lengths[r][1] > budget or len(rows) >= row_cap):
+                items.append((rows, cost))
+                rows, cost = [], p  # the next item pays the prompt again
+            rows.append(r)
+            cost += lengths[r][1]
+        items.append((rows, cost))
+    return items
+
+
 def plan_token_budget(lengths: dict[int, tuple[int, int]], budget: int, row_cap: int, padding_free: bool,
-                      at_least: int = 1) -> list[list[int]]:
+                      at_least: int = 1, groups: list[list[int]] | None = None) -> list[list[int]]:
     """The rows of `lengths` in micro-batches of at most `budget` tokens computed and `row_cap` rows, as few as
-    that allows but at least min(at_least, rows), with the largest as small as that count allows."""
+    that allows but at least min(at_least, rows), with the largest as small as that count allows. groups (packed
+    with share_prompts): rows that share a prompt, kept together where the budget allows and costed once."""
     rows = list(lengths)
     if not rows:
         return []
     if padding_free:
-        order = sorted(rows, key=lambda r: (-sum(lengths[r]), r))
-        total = sum(sum(lengths[r]) for r in rows)
-        k = max(-(-total // budget), -(-len(rows) // row_cap), min(at_least, len(rows)), 1)
-        while True:  # k = len(rows) always succeeds (one row each)
-            plan = _lpt(order, lengths, k, budget, row_cap)
+        items = shared_items(lengths, groups, budget, row_cap) if groups else [([r], sum(lengths[r])) for r in rows]
+        total = sum(t for _, t in items)
+        k = max(-(-total // budget), -(-len(rows) // row_cap), min(at_least, len(items)), 1)
+        while True:  # k = len(items) always succeeds (one item each)
+            plan = _lpt(items, k, budget, row_cap)
             if plan is not None:
                 return [sorted(m) for m in plan]
             k += 1
@@ -110,12 +129,33 @@ def assign_to_ranks(tokens: list[list[int]], world_size: int) -> list[list[tuple
     return [sorted(x) for x in out]
 
 
+def _units(triples: list[list[int]], share_prompts: bool) -> tuple[list[int], list[list[int]]]:
+    """One rank's gathered (prompt, completion, group) per row -> the units that move between ranks together
+    (share_prompts: a prompt's rows, costed with the prompt once; else each row) as (costs, rows of each)."""
+    if not share_prompts:
+        return [p + c for p, c, _ in triples], [[i] for i in range(len(triples))]
+    by_group: dict[int, list[int]] = {}
+    for i, (_, _, g) in enumerate(triples):
+        by_group.setdefault(g, []).append(i)
+    units = list(by_group.values())
+    return [triples[u[0]][0] + sum(triples[i][1] for i in u) for u in units], units
+
+
 def balance_ranks(batch: RolloutBatch, rows: list[int], advantages: torch.Tensor, pad_id: int,
-                  rank: int, world_size: int, device) -> tuple[RolloutBatch, torch.Tensor]:
+                  rank: int, world_size: int, device, share_prompts: bool = False) -> tuple[RolloutBatch,
+                                                                                              torch.Tensor]:
     """Collective (every rank, same order): the step's training rows redistributed so that each rank holds about
-    the same number of tokens. Returns this rank's new rows as a batch (every row trains) and their advantages."""
+    the same number of tokens (share_prompts: a prompt's rows move together and count their prompt once).
+    Returns this rank's new rows as a batch (every row trains) and their advantages."""
     lengths = row_lengths(batch, rows)
-    meta = torch.tensor([v for r in rows for v in lengths[r]], dtype=torch.long, device=device)
+    group_of = {}
+    if share_prompts and rows:
+        from grpo_dist.prompt_sharing import prompt_groups
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        for g, members in enumerate(prompt_groups(batch.prompt_ids[idx], batch.prompt_mask[idx])):
+            group_of.update({rows[j]: g for j in members})
+    meta = torch.tensor([v for r in rows for v in (*lengths[r], group_of.get(r, 0))], dtype=torch.long,
+                        device=device)
     tokens, sampler = [], []
     for r in rows:
         p, c = lengths[r]
@@ -131,8 +171,11 @@ def balance_ranks(batch: RolloutBatch, rows: list[int], advantages: torch.Tensor
     samplers = gdist.all_gather_1d(torch.cat(sampler).to(device, torch.float32) if sampler else
                                    torch.zeros(0, dtype=torch.float32, device=device), device) if has_sampler \
         else None
-    pairs = [m.view(-1, 2).tolist() for m in metas]
-    mine = assign_to_ranks([[p + c for p, c in ps] for ps in pairs], world_size)[rank]
+    triples = [m.view(-1, 3).tolist() for m in metas]
+    pairs = [[(p, c) for p, c, _ in t] for t in triples]
+    units = [_units(t, share_prompts) for t in triples]
+    mine = sorted((r, i) for r, u in assign_to_ranks([cost for cost, _ in units], world_size)[rank]
+                  for i in units[r][1][u])
     starts = [[0] for _ in pairs]  # offset of each row's tokens (and completion tokens) in its rank's stream
     cstarts = [[0] for _ in pairs]
     for r, ps in enumerate(pairs):

@@ -25,17 +25,24 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_dist.prompt_sharing import AttentionPlan, shared_attention, shared_layout
 from grpo_dist.rollout import RolloutBatch, completion_logits
 
 # attention implementations whose transformers path reads packed sequences from position_ids
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+PLAN_KWARG = "shared_prompt_plan"  # the forward kwarg that carries a prompt_sharing.AttentionPlan to the attention
 
 
 def _sdpa_by_sequence(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa attention, one causal call per packed sequence when the forward carries the sequence
     boundaries (cu_seq_lens_q, module docstring), else transformers' own call unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    plan = kwargs.pop(PLAN_KWARG, None)
+    if plan is not None:
+        rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS and k != "is_causal"}
+        return shared_attention(module, query, key, value, plan, sdpa_attention_forward, dropout=dropout,
+                                scaling=scaling, **rest)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1 or key.shape[2] != query.shape[2] or \
             kwargs.get("sliding_window") is not None:
@@ -70,6 +77,18 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def share_prompts_reason(model) -> str | None:
+    """Why rows that share a prompt cannot read one copy of it in this model (None: they can): only grpo_dist's
+    sdpa function runs that attention (prompt_sharing.py)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"attention implementation {impl!r} is not sdpa"
+    if getattr(getattr(model, "config", None), "sliding_window", None) and \
+            getattr(model.config, "use_sliding_window", True):
+        return "the model attends over a sliding window"
+    return None
+
+
 def fallback_line(model) -> str | None:
     """The one line that says padding_free falls back to padded rows for this model, or None when it can pack."""
     why = unsupported_reason(model)
@@ -90,13 +109,17 @@ class PackedRows:
     shape: tuple[int, int]
     cu_seq_lens: torch.Tensor  # [rows + 1] int32: where each sequence starts in the stream, then T
     max_length: int
+    plan: AttentionPlan | None = None  # share_prompts: the attention of rows that share a prompt (prompt_sharing.py)
 
 
-def pack_rows(batch: RolloutBatch) -> PackedRows:
-    """The real tokens of each row (left-padded prompt, right-padded completion) back to back."""
+def pack_rows(batch: RolloutBatch, share_prompts: bool = False) -> PackedRows:
+    """The real tokens of each row (left-padded prompt, right-padded completion) back to back; with share_prompts,
+    rows with the same prompt read one copy of it (prompt_sharing.py)."""
     if len(batch) and not bool(batch.prompt_mask.any(-1).all()):
         raise ValueError("padding_free needs at least one prompt token per row (the first completion token is "
                          "predicted from the prompt's last)")
+    if share_prompts:
+        return _pack_shared(batch)
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1).bool()
     positions = mask.long().cumsum(-1) - 1
@@ -112,13 +135,36 @@ def pack_rows(batch: RolloutBatch) -> PackedRows:
                       int(seq_lens.max()) if len(seq_lens) else 0)
 
 
+def _pack_shared(batch: RolloutBatch) -> PackedRows:
+    """pack_rows with one prompt per group; keep, labels and index in the row-major order of pack_rows."""
+    layout = shared_layout(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    device = batch.prompt_ids.device
+    ids = torch.tensor(layout.input_ids, dtype=torch.long, device=device)
+    keep = torch.tensor([k for r in range(len(batch)) for k in layout.keep[r]], dtype=torch.long, device=device)
+    labels = batch.completion_ids[batch.completion_mask.bool()]  # row-major, as keep
+    bounds = [0] + [qe for _, qe, _, _ in layout.calls]
+    return PackedRows(ids[None], torch.tensor(layout.position_ids, dtype=torch.long, device=device)[None], keep,
+                      labels, batch.completion_mask.bool().flatten().nonzero().squeeze(-1),
+                      (batch.completion_ids.shape[0], batch.completion_ids.shape[1]),
+                      torch.tensor(bounds, dtype=torch.int32, device=device),
+                      max(b - a for a, b in zip(bounds[:-1], bounds[1:])) if len(bounds) > 1 else 0,
+                      AttentionPlan(layout.calls))
+
+
 def packed_logits(model, packed: PackedRows) -> torch.Tensor:
     """[L, V] logits of the completion positions of a packed micro-batch (contiguous). use_cache=False is what
     makes transformers honour the sequence boundaries (module docstring)."""
     install_sdpa_by_sequence()
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.keep,
-                use_cache=False, cu_seq_lens_q=packed.cu_seq_lens, cu_seq_lens_k=packed.cu_seq_lens,
-                max_length_q=packed.max_length, max_length_k=packed.max_length)
+    if packed.plan is not None:
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.keep,
+                    use_cache=False, **{PLAN_KWARG: packed.plan})
+        if not packed.plan.consumed:  # the attention never read the plan: it attended some other way
+            raise RuntimeError(f"share_prompts: {type(model).__name__}'s attention did not run grpo_dist's sdpa "
+                               f"function, so shared prompts would be attended wrongly; set share_prompts=false")
+    else:
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.keep,
+                    use_cache=False, cu_seq_lens_q=packed.cu_seq_lens, cu_seq_lens_k=packed.cu_seq_lens,
+                    max_length_q=packed.max_length, max_length_k=packed.max_length)
     n = out.logits.shape[1]
     if n == len(packed.keep):
         return out.logits[0]
@@ -136,24 +182,28 @@ def unpack(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
 
 @dataclass
 class PassTokens:
-    """Tokens a pass computed (every position of every forward) and the tokens it needed (the rows' real ones)."""
+    """Tokens a pass computed (every position of every forward), the tokens it needed (the rows' real ones), and the
+    prompt tokens that share_prompts did not compute again: processed + shared - useful is the padding."""
     processed: int = 0
     useful: int = 0
+    shared: int = 0
 
 
-def completion_forward(model, mb: RolloutBatch, padding_free: bool,
-                       count: PassTokens | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+def completion_forward(model, mb: RolloutBatch, padding_free: bool, count: PassTokens | None = None,
+                       share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """(logits, labels, to_rows) of one micro-batch: padded, logits [N, C, V] and labels [N, C]; padding-free,
-    logits [L, V] and labels [L] of the real completion tokens only. to_rows brings per-token values of the labels'
-    shape to the [N, C] layout of the batch. count, when given, receives the pass's token counts."""
+    logits [L, V] and labels [L] of the real completion tokens only (with share_prompts, rows with the same prompt
+    read one copy of it). to_rows brings per-token values of the labels' shape to the [N, C] layout of the batch.
+    count, when given, receives the pass's token counts."""
     useful = int(mb.prompt_mask.sum()) + int(mb.completion_mask.sum())
     if not padding_free:
         if count is not None:
             count.processed += len(mb) * (mb.prompt_ids.shape[1] + mb.completion_ids.shape[1])
             count.useful += useful
         return completion_logits(model, mb), mb.completion_ids, lambda v: v
-    packed = pack_rows(mb)
+    packed = pack_rows(mb, share_prompts)
     if count is not None:
         count.processed += packed.input_ids.shape[1]
         count.useful += useful
+        count.shared += useful - packed.input_ids.shape[1]
     return packed_logits(model, packed), packed.labels, lambda v: unpack(v, packed)

@@ -49,7 +49,8 @@ from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
-from grpo_dist.packing import PassTokens, completion_forward, fallback_line
+from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
+from grpo_dist.prompt_sharing import group_order, prompt_groups
 from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
                               load_on_rank0_only, load_tokenizer, materialize_meta)
 from grpo_dist.rewards import RewardComputer
@@ -141,6 +142,7 @@ class GRPOTrainer:
         self.hf_model = policy  # its config and generation_config go into checkpoints
         self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
         self.padding_free = cfg.padding_free and self._can_pack(policy)
+        self.share_prompts = self.padding_free and cfg.share_prompts and self._can_share_prompts(policy)
         num_params = sum(p.numel() for p in policy.parameters())
         if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
             lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
@@ -228,6 +230,13 @@ class GRPOTrainer:
         if line and self.ctx.is_main:
             print(line, flush=True)
         return line is None
+
+    def _can_share_prompts(self, policy) -> bool:
+        """Whether rows with the same prompt can read one copy of it (share_prompts); one line on rank 0 if not."""
+        why = share_prompts_reason(policy)
+        if why and self.ctx.is_main:
+            print(f"[grpo_dist] share_prompts: {why}; every row computes its own prompt", flush=True)
+        return why is None
 
     def _load_model(self, what: str, meta: bool, to_device: bool = True) -> torch.nn.Module:
         """load_model, on this rank's device unless meta or not to_device; rank 0 says what it loads and how long it
@@ -729,7 +738,8 @@ class GRPOTrainer:
         depend on where a row trains: micro_batches.py), and the batch returned holds this rank's new rows."""
         if self.cfg.max_tokens_per_micro_batch is not None and self.ctx.world_size > 1:
             batch, advantages = mbatch.balance_ranks(batch, rows, advantages, self.tokenizer.pad_token_id,
-                                                     self.ctx.rank, self.ctx.world_size, self.ctx.device)
+                                                     self.ctx.rank, self.ctx.world_size, self.ctx.device,
+                                                     self.share_prompts)
             rows = list(range(len(batch)))
         return batch, advantages, self._micro_batches(batch, rows)
 
@@ -741,13 +751,21 @@ class GRPOTrainer:
         lengths = mbatch.row_lengths(batch, rows)
         if cfg.max_tokens_per_micro_batch is None:
             size = cfg.micro_batch_size
-            order = sorted(rows, key=lambda i: sum(lengths[i]))  # similar lengths together: less padding
+            if self.share_prompts:  # a prompt's rows together, so that they share it
+                order = group_order(batch.prompt_ids, batch.prompt_mask, rows, lengths)
+            else:
+                order = sorted(rows, key=lambda i: sum(lengths[i]))  # similar lengths together: less padding
             micro = [order[i:i + size] for i in range(0, len(order), size)]
             n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
         else:
+            groups = None
+            if self.share_prompts and rows:  # a prompt's rows as one item, its prompt counted once
+                idx = torch.as_tensor(rows, dtype=torch.long)
+                groups = [[rows[j] for j in g] for g in prompt_groups(batch.prompt_ids[idx], batch.prompt_mask[idx])]
+
             def plan(at_least):
                 return mbatch.plan_token_budget(lengths, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size,
-                                                self.padding_free, at_least)
+                                                self.padding_free, at_least, groups)
             micro = plan(1)
             n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
             if len(micro) < n_micro:  # the passes run anyway: smaller micro-batches rather than empty ones
@@ -781,7 +799,7 @@ class GRPOTrainer:
                     out.append(None)
                     continue
                 mb = batch.rows(idx)
-                logits, labels, to_rows = completion_forward(model, mb, self.padding_free, count)
+                logits, labels, to_rows = completion_forward(model, mb, self.padding_free, count, self.share_prompts)
                 out.append(to_rows(selective_log_probs(logits, labels, self.cfg.logprob_chunk_size,
                                                        self.cfg.temperature)))
         return out
@@ -861,7 +879,8 @@ class GRPOTrainer:
         """Forward, loss and backward of one micro-batch at iteration `it`; its metric terms are added to sums.
         Returns whether its loss was finite."""
         first = it == 0
-        logits, labels, to_rows = completion_forward(self.engine.module, mb, self.padding_free, self._tokens["train"])
+        logits, labels, to_rows = completion_forward(self.engine.module, mb, self.padding_free, self._tokens["train"],
+                                                     self.share_prompts)
         logp, entropy = self._logp_and_entropy(logits, labels, first)
         logp, entropy = to_rows(logp), (to_rows(entropy) if entropy is not None else None)  # [rows, C] from here
         if first and entropy is not None:
@@ -981,7 +1000,7 @@ class GRPOTrainer:
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
             **{f"tokens/{k}_{name}": getattr(t, k) for name, t in self._tokens.items()
-               for k in ("processed", "useful")}}, dev)
+               for k in ("processed", "useful", "shared")}}, dev)
         mx = gdist.all_reduce_max([float(lengths.max()) if len(lengths) else 0.0], dev)
         n, tok = s["rows"], max(float(s["trained_tokens"]), 1.0)  # tokens trained, all ranks
         tok_iters = tok * self.cfg.num_iterations

@@ -118,7 +118,17 @@ VARIANTS = {
     "gspo_two_iterations": ["importance_sampling_level=sequence", "num_iterations=2"],
     "skip_zero_groups": ["skip_zero_advantage_groups=true"],
     "padded": ["padding_free=false"],  # the padded planner (contiguous runs) with the rank balance
+    "rows_alone": ["share_prompts=false"],  # packed, each row with its own prompt (rows move one by one)
 }
+
+
+def _computed(lengths, mb, batch, share):
+    """Tokens a packed micro-batch computes: its rows' tokens, a shared prompt once (share_prompts)."""
+    tokens = sum(sum(lengths[i]) for i in mb)
+    if share:
+        prompts = [tuple(batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()) for i in mb]
+        tokens -= sum(len(p) for p in prompts) - sum(len(p) for p in set(prompts))
+    return tokens
 BUDGET = ["data.max_prompt_length=8", "max_tokens_per_micro_batch=24"]
 
 
@@ -145,10 +155,10 @@ def _steps(rank, world_size, budget):
         cfg = load_config(None, BASE + overrides + extra + [f"prompts_per_rank={len(rows) // G}",
                                                           "output_dir=/tmp/unused"])
         trainer = GRPOTrainer(cfg, ctx)
-        def planned(b, r, plan=trainer._micro_batches, pf=trainer.padding_free):
+        def planned(b, r, plan=trainer._micro_batches, pf=trainer.padding_free, share=trainer.share_prompts):
             micro = plan(b, r)
             lengths = trainer_mod.mbatch.row_lengths(b, r)
-            plans.append([(len(mb), sum(sum(lengths[i]) for i in mb) if pf else
+            plans.append([(len(mb), _computed(lengths, mb, b, share) if pf else
                            trainer_mod.mbatch.padded_cost([lengths[i] for i in mb])) for mb in micro])
             return micro
         trainer._micro_batches = planned

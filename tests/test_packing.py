@@ -9,7 +9,7 @@ import torch
 
 from dist_utils import run_ranks
 from helpers import EQUIV_BASE as BASE
-from helpers import PROMPTS, fixed_rollout, set_lora_b
+from helpers import G, PROMPTS, fixed_rollout, set_lora_b
 
 TOL = 1e-5
 
@@ -270,10 +270,14 @@ def test_trainer_step_packed_equals_padded_for_every_variant(tmp_path):
     res = run_ranks(_trainer_steps, 1, tmp_path, list(VARIANTS))[0]
     batch, _ = fixed_rollout()
     for name in VARIANTS:
-        (sd0, m0, micro, old0), (sd1, m1, _, old1) = res[name, False], res[name, True]
-        for a, b, idx in zip(old0, old1, micro):
-            mask = batch.rows(idx).completion_mask
-            assert ((a - b) * mask).abs().max() <= TOL, name  # per-token log-probs of the old / reference pass
+        (sd0, m0, micro, old0), (sd1, m1, micro1, old1) = res[name, False], res[name, True]
+        for a, idx in zip(old0, micro):  # per-token log-probs of the old / reference pass, row by row
+            for b, idx1 in zip(old1, micro1):
+                for j, r in enumerate(idx):
+                    if r in idx1:
+                        k = idx1.index(r)
+                        c = int(batch.completion_mask[r].sum())
+                        assert (a[j, :c] - b[k, :c]).abs().max() <= TOL, name
         assert max((sd0[k] - sd1[k]).abs().max().item() for k in sd0) <= TOL, name
         for key in ("loss", "kl", "entropy", "clip_fraction", "ratio_mean", "policy_loss"):
             assert abs(m0[key] - m1[key]) <= TOL, (name, key)
@@ -281,14 +285,22 @@ def test_trainer_step_packed_equals_padded_for_every_variant(tmp_path):
         # tokens/*: written out from the micro-batches; padded computes rows x widest, packed only real tokens
         padded, useful = _token_counts(batch, micro)
         assert padded > useful
+        # packed with share_prompts (the default): each prompt once per micro-batch, however many of its rows
+        shared = 0
+        for idx1 in micro1:
+            for g in {r // G for r in idx1}:  # fixed_rollout: rows g*G .. g*G + G-1 share prompt g
+                rows_g = [r for r in idx1 if r // G == g]
+                shared += (len(rows_g) - 1) * int(batch.prompt_mask[rows_g[0]].sum())
+        assert shared > 0
         # train: num_iterations = 2 passes; reference: one; old: one (num_iterations > 1), and with kl_in_reward
         # one more before the advantages
         runs = {"train": 2, "reference": 1, "old": 2 if name == "kl_in_reward" else 1}
         for pf, m in ((False, m0), (True, m1)):
-            computed = useful if pf else padded
+            computed = useful - shared if pf else padded
             for p, n in runs.items():
                 assert m[f"tokens/processed_{p}"] == n * computed, (name, pf, p)
                 assert m[f"tokens/useful_{p}"] == n * useful, (name, pf, p)
+                assert m[f"tokens/shared_{p}"] == (n * shared if pf else 0), (name, pf, p)
     lora_moved = max((res["lora", True][0][k] - res["token_mean", True][0][k]).abs().max().item()
                      for k in res["token_mean", True][0] if k in res["lora", True][0])
     assert lora_moved > 1e-5
