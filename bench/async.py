@@ -1,13 +1,17 @@
 """Asynchronous GRPO (issue 23, docs/async.md): 1 trainer + 1 rollout rank (rollout_ranks=1) at max_staleness
-0, 1, 2 against 2 colocated ranks, the same prompts per step, on bench/long_cot.py's long-tailed completion lengths
-(forced by EOS placement, its ForcedLengths), a few steps each (torchrun, gloo, one thread per rank).
+0, 1, 2 against 2 colocated ranks (--colocated-ranks), the same prompts per step, on bench/long_cot.py's
+long-tailed completion lengths (forced by EOS placement, its ForcedLengths), a few steps each (torchrun, gloo,
+one thread per rank).
 
     python bench/async.py --quick              # the tiny model, lengths median 20 / p95 90 / cap 128
     python bench/async.py --model DIR          # SmolLM2-135M-Instruct's HF directory, lengths 200 / 900 / 1024
     python bench/async.py --project            # the 8-GPU projection only (no run; its inputs are flags)
 
-Every configuration trains the same P prompts x G rows per step: colocated as 2 ranks x P/2 prompts, async as one
-trainer of P prompts whose rows the rollout rank samples. Row i of step s ends at lengths(P*G, seed=s)[i] (the
+Every configuration trains the same P prompts x G rows per step: colocated as C ranks x P/C prompts (C =
+--colocated-ranks, 2 by default; bench/gpu_check.sh's one-GPU stage takes 1), async as one trainer of P prompts
+whose rows the rollout rank samples. Every job runs with GRPO_DIST_SHARE_GPU=1: on a machine with fewer GPUs than
+ranks (the one-GPU check) the ranks share GPU 0 over gloo (grpo_dist.distributed.cuda_device); elsewhere it
+changes nothing. Row i of step s ends at lengths(P*G, seed=s)[i] (the
 same multiset of lengths per step in every configuration; the worker checks completion_length_mean against it).
 
 Per configuration it prints: completion tokens trained per second (all steps: tokens / the trainer's train() wall
@@ -21,8 +25,8 @@ rank's idle time includes receiving new weights.
 
 Then the projection (projection()): a pipeline step is max(rollout, train) + the unhidden weight sync, a colocated
 one rollout + train, from per-token phase times; printed with the arithmetic for 8 GPUs (4+4, 6+2) on the 0.5B and
-7B configs, plus the same arithmetic on this run's measured phase times (1+1 vs 2 colocated) next to the measured
-figure. Assumptions: bench/README.md (async section), docs/async.md. The last line is one JSON object.
+7B configs, plus the same arithmetic on this run's measured phase times (1+1 vs the colocated ranks) next to the
+measured figure. Assumptions: bench/README.md (async section), docs/async.md. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def worker(args) -> None:
         "progress_bar=false", "save_final=false", "save_steps=0", f"output_dir={args.out}/run", "learning_rate=1e-6",
         "distributed.num_threads=1", "rewards=[{function: 'bench_common:digit_reward', weight: 1.0}]",
         "rollout_engine=lean", "temperature=1.0", "distributed.timeout_s=600"]
+    if args.mixed_precision:  # the GPU check: bf16 compute (trainer and rollout replica), fp32 master weights
+        overrides.append(f"distributed.mixed_precision={args.mixed_precision}")
     if k >= 0:
         overrides += ["rollout_ranks=1", f"max_staleness={k}"]
     if args.model:
@@ -139,13 +145,15 @@ def _finish(args, out: dict, gdist=None) -> None:
     os._exit(0)
 # ----------------------------------------------------------------------------------------------------- driver
 def run_config(args, k: int) -> dict:
-    """One configuration (k < 0: 2 colocated ranks; else 1 trainer + 1 rollout rank at max_staleness k) in its own
-    torchrun job; its figures."""
+    """One configuration (k < 0: --colocated-ranks colocated ranks; else 1 trainer + 1 rollout rank at
+    max_staleness k) in its own torchrun job; its figures."""
     name = "colocated" if k < 0 else f"async_k{k}"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    nproc = args.colocated_ranks if k < 0 else 2
+    # GRPO_DIST_SHARE_GPU: two ranks on a one-GPU machine share it (gloo); a no-op with a GPU per rank or none
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRPO_DIST_SHARE_GPU="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="bench_async_") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "localhost:0", str(Path(__file__).resolve()), "--worker", "--out", out,
                "--staleness", str(k), "--steps", str(args.steps), "--prompts", str(args.prompts),
                "--num-generations", str(args.num_generations), "--median", str(args.median), "--p95",
@@ -153,18 +161,21 @@ def run_config(args, k: int) -> dict:
                "--tiny-hidden", str(args.tiny_hidden), "--tiny-layers", str(args.tiny_layers)]
         if args.model:
             cmd += ["--model", args.model]
+        if args.mixed_precision:
+            cmd += ["--mixed-precision", args.mixed_precision]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{name}: torchrun exited {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
     res = summarise(args, k, ranks)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
 def summarise(args, k: int, ranks: list[dict]) -> dict:
-    """The figures of one configuration from its ranks' files (rank 0 is a trainer in every configuration)."""
+    """The figures of one configuration from its ranks' files (rank 0 is a trainer in every configuration; a
+    colocated configuration's ranks each sample and train an equal share of the rows)."""
     main = ranks[0]
     if main["code"] != 0:
         raise RuntimeError(f"k={k}: the trainer exited {main['code']}")
@@ -186,7 +197,8 @@ def summarise(args, k: int, ranks: list[dict]) -> dict:
            "step_time_s": [round(x, 3) for x in step_s],
            "rollout_s_per_step": [round(row["time_rollout_s"], 3) for row in m]}
     if k < 0:  # the colocated phase times: what the projection takes as this machine's per-token figures
-        rows_per_rank = args.prompts * args.num_generations // 2
+        res["ranks"] = len(ranks)
+        rows_per_rank = args.prompts * args.num_generations // len(ranks)
         rank_tokens = [sum(step_targets(args, s)[:rows_per_rank]) for s in range(steps)]  # rank 0's rows
         roll = sum(row["time_rollout_s"] for row in m[1:])
         res.update(rollout_s_per_token=roll / sum(rank_tokens[1:]),
@@ -282,7 +294,8 @@ def project(inp: dict, rollout_gpus: int, trainer_gpus: int) -> dict:
 
 
 def projection(args, measured: dict | None = None) -> dict:
-    """The table: per config, colocated 8 vs 4+4 and 6+2 (and, with a measured run, this machine's 1+1 vs 2)."""
+    """The table: per config, colocated 8 vs 4+4 and 6+2 (and, with a measured run, this machine's 1+1 vs the colocated
+    ranks)."""
     out: dict = {}
     print("projection (8 GPUs; step = max(rollout, train) + unhidden sync vs colocated rollout + train; inputs: "
           "bench/README.md 'Asynchronous GRPO'):", flush=True)
@@ -306,7 +319,7 @@ def projection(args, measured: dict | None = None) -> dict:
     if measured:  # the same arithmetic on this run's measured per-token phase times (linear: rows x length)
         c = measured["colocated"]
         tok = c["completion_tokens"] / c["steps"]
-        colo_s = tok / 2 * (c["rollout_s_per_token"] + c["train_s_per_token"])
+        colo_s = tok / c["ranks"] * (c["rollout_s_per_token"] + c["train_s_per_token"])
         lines = {}
         for k, r in measured.items():
             if k == "colocated":
@@ -314,7 +327,8 @@ def projection(args, measured: dict | None = None) -> dict:
             sync = r["weight_sync_s_per_step"]
             step = max(tok * c["rollout_s_per_token"], tok * c["train_s_per_token"]) + sync
             lines[k] = dict(projected_tokens_per_s=tok / step, measured_tokens_per_s_full=r["tokens_per_s_full"])
-            print(f"  this machine, {k} (1+1) vs 2 colocated: step = max({tok * c['rollout_s_per_token']:.2f}, "
+            print(f"  this machine, {k} (1+1) vs {c['ranks']} colocated: step = "
+                  f"max({tok * c['rollout_s_per_token']:.2f}, "
                   f"{tok * c['train_s_per_token']:.2f}) + {sync:.3f} = {step:.2f} s ({tok / step:.1f} tokens/s; "
                   f"measured {r['tokens_per_s_full']:.1f}) vs {colo_s:.2f} s ({tok / colo_s:.1f}; measured "
                   f"{c['tokens_per_s_full']:.1f})", flush=True)
@@ -322,7 +336,7 @@ def projection(args, measured: dict | None = None) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="SmolLM2-135M-Instruct's HF directory (the real-model run)")
     ap.add_argument("--quick", action="store_true", help="the tiny model, lengths median 20 / p95 90 / cap 128")
@@ -334,6 +348,10 @@ def main(argv=None) -> None:
     ap.add_argument("--length-cap", type=int, default=0, help="cap the lengths at N, median and p95 scaled by "
                     "N / 1024 (0: 1024, --quick 128)")
     ap.add_argument("--max-prompt-length", type=int, default=128)
+    ap.add_argument("--colocated-ranks", type=int, default=2, help="ranks of the colocated reference (they split "
+                    "--prompts evenly)")
+    ap.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="distributed.mixed_precision of every "
+                    "configuration (default: none, fp32 compute)")
     ap.add_argument("--tiny-hidden", type=int, default=128)
     ap.add_argument("--tiny-layers", type=int, default=4)
     g = ap.add_argument_group("projection inputs (H100 SXM figures by default; replace with measured ones)")
@@ -350,6 +368,32 @@ def main(argv=None) -> None:
     ap.add_argument("--median", type=float, default=200, help=argparse.SUPPRESS)
     ap.add_argument("--p95", type=float, default=900, help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=int, default=1024, help=argparse.SUPPRESS)
+    return ap
+
+
+def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """A measured run's arguments, refused where they cannot be right; sets the lengths (median, p95, cap) and
+    returns the max_staleness values."""
+    if args.prompts % args.colocated_ranks:
+        ap.error(f"--prompts {args.prompts} must split evenly over --colocated-ranks {args.colocated_ranks}")
+    ks = [int(x) for x in args.staleness.split(",")]
+    cap = args.length_cap or (128 if args.quick else 1024)
+    args.median, args.p95, args.cap = 200 * cap / 1024, 900 * cap / 1024, cap
+    if args.steps <= max(ks) + 1:
+        ap.error(f"--steps must exceed max staleness + 1 = {max(ks) + 1} (steps after the pipeline is full)")
+    return ks
+
+
+def configure(argv: list[str]) -> tuple[argparse.Namespace, list[int]]:
+    """The arguments of a measured run from a command line, checked, and its max_staleness values: for callers
+    that run the configurations themselves (bench/gpu_check.py's async stage)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    return args, check_run_args(ap, args)
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.worker:
         args.staleness = int(args.staleness)
@@ -359,13 +403,7 @@ def main(argv=None) -> None:
         return
     if not args.quick and not args.model:
         ap.error("--model DIR (SmolLM2-135M-Instruct), --quick or --project")
-    if args.prompts % 2:
-        ap.error("--prompts must be even (2 colocated ranks)")
-    ks = [int(x) for x in args.staleness.split(",")]
-    cap = args.length_cap or (128 if args.quick else 1024)
-    args.median, args.p95, args.cap = 200 * cap / 1024, 900 * cap / 1024, cap
-    if args.steps <= max(ks) + 1:
-        ap.error(f"--steps must exceed max staleness + 1 = {max(ks) + 1} (steps after the pipeline is full)")
+    ks = check_run_args(ap, args)
     ls = [x for s in range(args.steps) for x in step_targets(args, s)]
     print(f"lengths: {args.prompts * args.num_generations} rows/step x {args.steps} steps, median "
           f"{sorted(ls)[len(ls) // 2]}, p95 {sorted(ls)[int(0.95 * len(ls))]}, max {max(ls)}, mean "

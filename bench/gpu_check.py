@@ -6,6 +6,7 @@
     python bench/gpu_check.py meta --model DIR --out DIR      # the trainer as rank 1 of a pretend 2-rank world
     python bench/gpu_check.py decode                          # lean decoder ms/step at 0.5B and 7B shapes
     python bench/gpu_check.py long --model DIR --out DIR      # one step, long-tailed completions up to 1024 tokens
+    python bench/gpu_check.py async --model DIR               # 1 trainer + 1 rollout rank on the one GPU, k = 0, 1
     python bench/gpu_check.py summary RESULTS.jsonl           # or the folder / gpu_check.tgz that holds it
 
 Models are random-init Qwen2 shapes built from configs (nothing is downloaded): Qwen2.5-0.5B (24 layers, hidden 896,
@@ -420,6 +421,88 @@ def cmd_long(a) -> None:
                          f"{m['completion_length_max']}) are not the forced ones (mean {mean}, max {max(targets)})")
 
 
+# ------------------------------------------------------------------------------------------------------ async
+# Issue 23's asynchronous mode on the one GPU: bench/async.py's configurations and figures (its functions, by
+# import), the 0.5B config's per-rank rows (8 prompts x 8) on long_cot.py's lengths scaled to a 256-token cap.
+ASYNC = dict(prompts=8, num_generations=8, cap=256, steps=4, staleness=(0, 1))
+if SMOKE:
+    ASYNC = dict(prompts=2, num_generations=4, cap=16, steps=3, staleness=(0, 1))
+
+
+def bench_async():
+    """bench/async.py as a module (its name is a Python keyword, so no plain import)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_async", Path(__file__).with_name("async.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def weight_bytes_bf16(model_dir: str) -> int:
+    """What one weight broadcast sends: every distinct parameter (a tied head once) in bf16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return 2 * sum(p.numel() for p in model.parameters())
+
+
+def cmd_async(a) -> None:
+    """1 trainer + 1 rollout rank (rollout_ranks=1) on one GPU at max_staleness 0 and 1, against a 1-process colocated
+    reference with the same prompts per step (one process has the whole GPU, as the two async ranks share it; two
+    colocated processes would split the GPU and add FSDP gathers over gloo). bf16 compute. Each configuration is
+    bench/async.py's torchrun job, so the figures are its own: completion tokens trained per second (all steps and
+    once the pipeline is full, steps >= k + 1), each side's idle fraction, weight-broadcast time and bytes, lag.
+    The reference runs first and every configuration reports as it ends (a stage cut by its time limit keeps what
+    ran). Fails (exit 1) when the lag of a step is not min(step, k), a batch was dropped, or a version's bytes are
+    not the model's parameters in bf16; the throughput figures are reported, not judged."""
+    from grpo_dist.distributed import cuda_device
+    bench = bench_async()
+    A = ASYNC
+    args, ks = bench.configure(
+        ["--model", a.model, "--steps", str(A["steps"]), "--staleness", ",".join(map(str, A["staleness"])),
+         "--prompts", str(A["prompts"]), "--num-generations", str(A["num_generations"]), "--length-cap",
+         str(A["cap"]), "--max-prompt-length", "256", "--colocated-ranks", "1", "--mixed-precision", "bf16"])
+    # the two async ranks' groups: gloo on a one-GPU machine (NCCL refuses two ranks on one GPU), gloo on a CPU
+    group = cuda_device(1, 2, torch.cuda.device_count(), True)[1] if CUDA else "gloo"
+    colo = bench.run_config(args, -1)
+    print(bench.describe("colocated", colo), flush=True)
+    print(f"CHECK async colocated (1 process, the same {A['prompts']} prompts x {A['num_generations']} per step): "
+          f"{colo['tokens_per_s']:.1f} completion tokens/s, {colo['tokens_per_s_full']:.1f} after step 0; rollout "
+          f"{colo['rollout_s_per_token'] * 1e3:.3f} ms/token, train {colo['train_s_per_token'] * 1e3:.3f} ms/token",
+          flush=True)
+    result(stage="async", config="colocated", **_async_row(colo))
+    expected = weight_bytes_bf16(a.model)
+    problems = []
+    for k in ks:
+        r = bench.run_config(args, k)
+        print(bench.describe(f"async_k{k}", r), flush=True)
+        lags = [min(s, k) for s in range(A["steps"])]
+        if r["lag_per_step"] != lags or r["dropped"]:
+            problems.append(f"k={k}: lag per step {r['lag_per_step']} (expected {lags}), dropped {r['dropped']:g}")
+        if r["weight_sync_bytes_per_version"] != expected:
+            problems.append(f"k={k}: {r['weight_sync_bytes_per_version']:.0f} bytes per version, expected "
+                            f"{expected} (the parameters in bf16)")
+        print(f"CHECK async k={k} ({A['prompts']} prompts x {A['num_generations']} per step, cap {A['cap']}, "
+              f"{A['steps']} steps, groups {group}): {r['tokens_per_s']:.1f} completion tokens/s, full pipeline "
+              f"{r['tokens_per_s_full']:.1f} (colocated {colo['tokens_per_s_full']:.1f}, x"
+              f"{r['tokens_per_s_full'] / colo['tokens_per_s_full']:.2f}); idle trainer "
+              f"{r['trainer_idle_fraction']:.1%} / rollout {r['rollout_idle_fraction']:.1%} (full: "
+              f"{r['trainer_idle_fraction_full']:.1%} / {r['rollout_idle_fraction_full']:.1%}); weight sync "
+              f"{r['weight_sync_s_per_step'] * 1e3:.1f} ms/step, {r['weight_sync_bytes_per_version'] / 2**20:.2f} "
+              f"MiB/version; lag mean {r['lag_mean']:.2f} max {r['lag_max']:g}", flush=True)
+        result(stage="async", config=f"async_k{k}", groups=group, **_async_row(r))
+    print(f"CHECK async verdict: {'ok' if not problems else 'FAILED'}: lag of step s = min(s, k), nothing dropped, "
+          f"{expected} bytes per version (the parameters in bf16)" + "".join(f"; {x}" for x in problems), flush=True)
+    result(stage="async_verdict", ok=not problems, problems=problems, bytes_expected=expected, groups=group)
+    if problems:
+        raise SystemExit(1)
+
+
+def _async_row(r: dict) -> dict:
+    """bench/async.py's figures of one configuration, without its per-step lists."""
+    return {k: v for k, v in r.items() if not isinstance(v, list)} | {"lag_per_step": r.get("lag_per_step")}
+
+
 # ------------------------------------------------------------------------------------------------------ summary
 PICK = {"start": ("cmd", "torch", "gpu"),
         "build": ("kind", "params_m", "tied", "seconds"),
@@ -433,7 +516,11 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "decode": ("shape", "rows", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
                    "peak_gib"),
         "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "logprobs_s", "update_s", "padding_fraction",
-                 "peak_gib", "peak_rss_mib")}
+                 "peak_gib", "peak_rss_mib"),
+        "async": ("config", "groups", "tokens_per_s", "tokens_per_s_full", "trainer_idle_fraction",
+                  "trainer_idle_fraction_full", "rollout_idle_fraction", "rollout_idle_fraction_full",
+                  "weight_sync_s_per_step", "weight_sync_bytes_per_version", "lag_mean", "lag_max", "lag_per_step"),
+        "async_verdict": ("ok", "problems", "bytes_expected", "groups")}
 ARCHIVE = "gpu_check.tgz"  # what gpu_check.sh leaves in $OUT, with summary.txt
 
 
@@ -489,6 +576,8 @@ def main(argv=None) -> None:
     lg.add_argument("--model", required=True)
     lg.add_argument("--out", required=True)
     lg.add_argument("--budget", type=int, default=0, help="max_tokens_per_micro_batch (0: 8192, smoke 512)")
+    asy = sub.add_parser("async")
+    asy.add_argument("--model", required=True)
     s = sub.add_parser("summary")
     s.add_argument("results")
     a = ap.parse_args(argv)
@@ -496,7 +585,7 @@ def main(argv=None) -> None:
         result(stage="start", cmd=a.cmd, smoke=SMOKE, torch=torch.__version__,
                gpu=torch.cuda.get_device_name() if CUDA else None)
     {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "meta": cmd_meta, "decode": cmd_decode,
-     "long": cmd_long, "summary": cmd_summary}[a.cmd](a)
+     "long": cmd_long, "async": cmd_async, "summary": cmd_summary}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@
 #                  cap 1024, forced by EOS placement), every lever on (padding_free, max_tokens_per_micro_batch 8192,
 #                  decode_compaction_threshold at its default), num_iterations 2: per phase time, tokens computed vs
 #                  needed per pass (decode, reference, old, train), peak GPU memory (peak RSS on a CPU)
+#   async          issue 23's asynchronous mode: bench/async.py's torchrun jobs on the 4-layer model in bf16, 8 prompts x
+#                  8 per step, long_cot.py's lengths capped at 256, 4 steps: a 1-process colocated reference, then
+#                  1 trainer + 1 rollout rank on the one GPU (GRPO_DIST_SHARE_GPU=1: both on cuda:0, gloo groups,
+#                  since NCCL refuses two ranks on one GPU) at max_staleness 0 and 1: completion tokens/s, idle
+#                  fractions (all steps and steps >= k + 1), weight-broadcast ms and bytes, lag; fails when a lag
+#                  is not min(step, k) or a version's bytes are not the parameters in bf16
 # Printed per step: step time and its split (rollout, log-probs, update), rollout and training tokens/s, peak GPU
 # memory; per phase (rollout, learn, save, evaluate): median time and peak memory; per resume: loss equality and
 # the largest weight difference. $OUT (default /tmp/gpu_check) gets two files, since a lent machine returns at most
@@ -132,6 +138,7 @@ stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
 stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
+stage async 120 "${D[@]}" async --model "$M/qwen05_4l"
 
 figures
 echo

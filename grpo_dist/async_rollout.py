@@ -6,7 +6,8 @@ keeps no state but the weights of the last version it received.
 Process groups, created by every rank in this order (setup):
     trainer  ranks 0 .. T-1               FSDP and the trainer's all-reduces
     rollout  ranks T .. W-1               (nothing yet: room for vLLM tensor parallelism)
-    sync     rank 0 and ranks T .. W-1    the weight broadcast (nccl on CUDA, gloo on CPU)
+    sync     rank 0 and ranks T .. W-1    the weight broadcast (the world's backend: nccl on CUDA, gloo on CPU
+                                          and where GRPO_DIST_SHARE_GPU=1 puts ranks on one GPU)
     control  all ranks, gloo              headers and prompts out, completions back (pickled, point to point,
                                           queued: a sender never blocks on its receiver)
 Trainer t sends its prompts to rollout rank T + t mod R; a rollout rank serves its trainers in rank order.
@@ -125,7 +126,7 @@ def setup(cfg, ctx: gdist.DistContext) -> tuple[Roles, gdist.DistContext]:
     timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
     trainer = dist.new_group(list(range(T)), timeout=timeout)
     rollout = dist.new_group(list(range(T, W)), timeout=timeout)
-    sync = dist.new_group([0, *range(T, W)], timeout=timeout)  # the default backend: nccl on CUDA, gloo on CPU
+    sync = dist.new_group([0, *range(T, W)], timeout=timeout)  # the world's backend (distributed.cuda_device)
     control = dist.new_group(list(range(W)), timeout=timeout, backend="gloo")  # small pickled messages
     _ROLES = Roles(T, R, ctx.rank, float(cfg.distributed.timeout_s), trainer, rollout, sync, control, ctx.device)
     if _ROLES.is_trainer:

@@ -2,7 +2,8 @@
 
 Every collective of the trainer goes through this module or the engine, so it is easy to check that every rank
 runs the same ones in the same order. Runs under torchrun (RANK/WORLD_SIZE/... from the environment) and as a plain
-single process (a world of one). nccl on CUDA, gloo on CPU.
+single process (a world of one). nccl on CUDA (gloo where GRPO_DIST_SHARE_GPU=1 puts several ranks on one GPU:
+cuda_device), gloo on CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def init_distributed(timeout_s: int = 600, num_threads: int | None = None) -> Di
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        device, backend = cuda_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                      torch.cuda.device_count(), os.environ.get(SHARE_GPU_ENV) == "1")
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -61,6 +63,26 @@ def init_distributed(timeout_s: int = 600, num_threads: int | None = None) -> Di
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 store=_elastic_attempt_store(world, timeout), **extra)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+SHARE_GPU_ENV = "GRPO_DIST_SHARE_GPU"
+
+
+def cuda_device(local_rank: int, local_world: int, gpus: int, share: bool) -> tuple[torch.device, str]:
+    """This rank's GPU and process-group backend: GPU LOCAL_RANK and nccl, one rank per GPU.
+
+    More ranks on a node than visible GPUs (bench/gpu_check.sh's 1 trainer + 1 rollout rank on one GPU) is refused
+    unless GRPO_DIST_SHARE_GPU=1: then rank r takes GPU r mod the GPU count and every process group runs gloo (CUDA
+    tensors staged through host memory), because NCCL refuses two ranks of one communicator on one GPU ("Duplicate
+    GPU detected", ncclInvalidUsage). The decision uses LOCAL_WORLD_SIZE, the same on every rank of the node, so
+    all ranks agree on the backend."""
+    if local_rank < gpus and local_world <= gpus:
+        return torch.device("cuda", local_rank), "nccl"
+    if not share:
+        raise RuntimeError(f"LOCAL_RANK {local_rank} of {local_world} ranks on this node, {gpus} visible GPU(s): "
+                           f"launch at most one rank per GPU (torchrun --nproc_per_node {gpus}), or set "
+                           f"{SHARE_GPU_ENV}=1 to put several ranks on one GPU (gloo process groups, not nccl)")
+    return torch.device("cuda", local_rank % gpus), "gloo"
 
 
 def _elastic_attempt_store(world: int, timeout: datetime.timedelta):

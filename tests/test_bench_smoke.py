@@ -155,3 +155,24 @@ def test_bench_async_projection_arithmetic():
     split = bench.project(inp, 7, 1)  # the trainer is the longer side
     assert split["step_s"] == pytest.approx(max(1.0 + 400 / 7 * 0.001, 400 * 0.004 / 1) + 0.2)
     assert split["arithmetic"] == "max(1.06, 1.60) + 0.200"
+
+
+@pytest.mark.fast
+def test_bench_async_colocated_per_token_times_count_the_rows_of_rank_0():
+    """The colocated reference's per-token phase times (what the projection takes) divide rank 0's phase seconds
+    by rank 0's completion tokens: with 1 rank (bench/gpu_check.sh's one-GPU reference) every row is rank 0's, with
+    2 ranks the first half. Steps 1 and 2 count (step 0 warms up): lengths [7, 10, 7, 2] and [6, 3, 4, 1]."""
+    from argparse import Namespace
+    bench = _bench_async()
+    args = Namespace(prompts=2, num_generations=2, median=5, p95=20, cap=32)
+    assert [bench.step_targets(args, s) for s in range(3)] == [[6, 4, 9, 5], [7, 10, 7, 2], [6, 3, 4, 1]]
+    metrics = [{"completion_length_mean": mean, "step_time_s": step_s, "time_rollout_s": roll}
+               for mean, step_s, roll in ((6.0, 3.0, 1.0), (6.5, 2.0, 0.5), (3.5, 4.0, 1.5))]
+    main = {"code": 0, "train_s": 9.0, "metrics": metrics}
+    one = bench.summarise(args, -1, [main])
+    # rollout 0.5 + 1.5 s, the rest of the step 2.0 + 4.0 - 2.0 s, over 26 + 14 tokens
+    assert one["ranks"] == 1 and one["completion_tokens"] == 24 + 26 + 14
+    assert one["rollout_s_per_token"] == pytest.approx(2.0 / 40) and one["train_s_per_token"] == pytest.approx(4.0 / 40)
+    two = bench.summarise(args, -1, [main, {"rank": 1}])
+    assert two["ranks"] == 2  # rank 0's rows: 7 + 10 and 6 + 3 tokens
+    assert two["rollout_s_per_token"] == pytest.approx(2.0 / 26) and two["train_s_per_token"] == pytest.approx(4.0 / 26)

@@ -1,6 +1,6 @@
 """bench/gpu_check.sh in its CPU smoke mode (GPU_CHECK_SMOKE=1): every stage runs end to end and prints its figures;
 what comes back from a lent machine is one archive and one summary; the commands of the first-run note
-(../shared/notes/gpu-first-run.md) still run. The smoke run takes 2-5 minutes on this 2-core box (nine processes
+(../shared/notes/gpu-first-run.md) still run. The smoke run takes 4-8 minutes on this 2-core box (fifteen processes
 importing torch), hence `slow`."""
 
 import json
@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = ROOT.parent / "shared" / "notes" / "gpu-first-run.md"
 STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "train_untied", "evaluate", "cli",
-          "long")
+          "long", "async")
 
 
 def _archive(out: Path) -> dict[str, str]:
@@ -101,12 +101,40 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "CHECK long qwen05_4l 16 rows, cap 64" in summary and "lengths forced: True" in summary
     assert "CHECK meta rank 1 of 2" in summary and "CHECK decode 7b" in summary and "step_time_s=" in summary
+    _check_async_stage(rows, summary)
     assert "=== figures" in r.stdout and "step_time_s=" in r.stdout
     # gpu-first-run.md's `gpu_check.py summary $OUT/results.jsonl` reads results.jsonl from the archive
     s = subprocess.run([sys.executable, "bench/gpu_check.py", "summary", str(out / "results.jsonl")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert s.returncode == 0 and "decode" in s.stdout and "ms_per_step=" in s.stdout, s.stderr[-2000:]
     assert not list(tmp_path.glob("gpu_check_work.*")), "the work folder is removed when every stage passed"
+
+
+def _check_async_stage(rows: list[dict], summary: str) -> None:
+    """Issue 23's stage: a 1-process colocated reference, then 1 trainer + 1 rollout rank at max_staleness 0 and 1
+    (smoke: 2 prompts x 4 rows, 3 steps), the same completion tokens in each; the lag of step s is min(s, k); every
+    weight version is the smoke model's parameters in bf16."""
+    runs = {x["config"]: x for x in rows if x["stage"] == "async"}
+    assert list(runs) == ["colocated", "async_k0", "async_k1"], list(runs)
+    assert runs["colocated"]["ranks"] == 1
+    assert len({r["completion_tokens"] for r in runs.values()}) == 1 and runs["colocated"]["completion_tokens"] > 0
+    assert runs["async_k0"]["lag_per_step"] == [0, 0, 0] and runs["async_k1"]["lag_per_step"] == [0, 1, 1]
+    assert runs["async_k1"]["lag_max"] <= 1 and runs["async_k1"]["lag_mean"] == pytest.approx(2 / 3, abs=1e-4)
+    # smoke qwen05_4l: embeddings 512 x 64 (tied) + 2 layers x (q 64x64+64, k and v 64x32+32 each, o 64x64, MLP
+    # 3 x 64x128, 2 norms of 64) + the final norm = 107,072 parameters, 2 bytes each in bf16
+    for k in (0, 1):
+        r = runs[f"async_k{k}"]
+        assert r["weight_sync_bytes_per_version"] == 2 * (512 * 64 + 2 * (4160 + 2 * 2080 + 4096 + 24576 + 128) + 64)
+        assert r["weight_sync_bytes_per_version"] == 214144 and r["dropped"] == 0 and r["full_from_step"] == k + 1
+        assert r["groups"] == "gloo" and r["tokens_per_s"] > 0 and r["tokens_per_s_full"] > 0
+        for key in ("trainer_idle_fraction", "trainer_idle_fraction_full", "rollout_idle_fraction",
+                    "rollout_idle_fraction_full"):
+            assert 0 <= r[key] <= 1, (k, key, r[key])
+    verdict = [x for x in rows if x["stage"] == "async_verdict"]
+    assert len(verdict) == 1 and verdict[0]["ok"] and verdict[0]["bytes_expected"] == 214144
+    assert "CHECK async verdict: ok: lag of step s = min(s, k), nothing dropped, 214144 bytes per version" in summary
+    assert "CHECK async k=1 (2 prompts x 4 per step, cap 16, 3 steps, groups gloo)" in summary
+    assert "lag mean 0.67 max 1" in summary and "config=async_k1" in summary
 
 
 def test_gpu_check_keeps_the_work_folder_and_archives_when_stages_fail(tmp_path):
