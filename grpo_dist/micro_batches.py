@@ -151,9 +151,8 @@ def balance_ranks(batch: RolloutBatch, rows: list[int], advantages: torch.Tensor
     group_of = {}
     if share_prompts and rows:
         from grpo_dist.prompt_sharing import prompt_groups
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        for g, members in enumerate(prompt_groups(batch.prompt_ids[idx], batch.prompt_mask[idx])):
-            group_of.update({rows[j]: g for j in members})
+        for g, members in enumerate(prompt_groups(batch.prompt_ids, batch.prompt_mask, rows)):
+            group_of.update({r: g for r in members})
     meta = torch.tensor([v for r in rows for v in (*lengths[r], group_of.get(r, 0))], dtype=torch.long,
                         device=device)
     tokens, sampler = [], []

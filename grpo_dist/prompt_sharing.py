@@ -44,12 +44,13 @@ class AttentionPlan:
         self.consumed = 0
 
 
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Rows with the same prompt tokens, groups in order of first appearance, rows in order."""
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  rows: list[int] | None = None) -> list[list[int]]:
+    """The rows (all, or those named) with the same prompt tokens, groups in order of first appearance, rows in
+    order."""
     groups: dict[tuple[int, ...], list[int]] = {}
-    keys = [tuple(prompt_ids[i][prompt_mask[i].bool()].tolist()) for i in range(prompt_ids.shape[0])]
-    for i, key in enumerate(keys):
-        groups.setdefault(key, []).append(i)
+    for i in range(prompt_ids.shape[0]) if rows is None else rows:
+        groups.setdefault(tuple(prompt_ids[i][prompt_mask[i].bool()].tolist()), []).append(i)
     return list(groups.values())
 
 
@@ -57,9 +58,7 @@ def group_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[
                 lengths: dict[int, tuple[int, int]]) -> list[int]:
     """`rows` with the rows of each prompt together (groups by their total tokens, shortest first; rows by
     length): contiguous slices of it keep groups whole where the slice size allows."""
-    idx = torch.as_tensor(rows, dtype=torch.long)
-    groups = [[rows[j] for j in g] for g in prompt_groups(prompt_ids[idx], prompt_mask[idx])] if rows else []
-    groups = [sorted(g, key=lambda r: (sum(lengths[r]), r)) for g in groups]
+    groups = [sorted(g, key=lambda r: (sum(lengths[r]), r)) for g in prompt_groups(prompt_ids, prompt_mask, rows)]
     groups.sort(key=lambda g: (sum(lengths[r][1] for r in g) + lengths[g[0]][0], g[0]))
     return [r for g in groups for r in g]
 

@@ -758,10 +758,8 @@ class GRPOTrainer:
             micro = [order[i:i + size] for i in range(0, len(order), size)]
             n_micro = int(gdist.all_reduce_max([len(micro)], self.ctx.device)[0])
         else:
-            groups = None
-            if self.share_prompts and rows:  # a prompt's rows as one item, its prompt counted once
-                idx = torch.as_tensor(rows, dtype=torch.long)
-                groups = [[rows[j] for j in g] for g in prompt_groups(batch.prompt_ids[idx], batch.prompt_mask[idx])]
+            # share_prompts: a prompt's rows as one item, its prompt counted once
+            groups = prompt_groups(batch.prompt_ids, batch.prompt_mask, rows) if self.share_prompts else None
 
             def plan(at_least):
                 return mbatch.plan_token_budget(lengths, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size,
