@@ -91,9 +91,11 @@ def test_nccl_group_is_created_with_the_rank_device(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)   # a node of 2 GPUs; a CPU build reports 0
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
-    for k, v in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+    for k, v in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="1").items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     ctx = gdist.init_distributed(60)
