@@ -19,6 +19,13 @@ STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "trai
           "long", "async")
 
 
+# .ci/run sets this for its main pytest run when its GPU-stack step will run the slow tests below under the lent
+# machine's interpreter (the stack they are for): each runs once per CI job, not twice.
+IN_GPU_STACK_STEP = "GRPO_DIST_GPU_CHECK_IN_GPU_STACK"
+run_in_gpu_stack_step = pytest.mark.skipif(os.environ.get(IN_GPU_STACK_STEP) == "1",
+                                           reason=f"{IN_GPU_STACK_STEP}=1: .ci/run's GPU-stack step runs this test")
+
+
 def _archive(out: Path) -> dict[str, str]:
     with tarfile.open(out / "gpu_check.tgz") as tar:
         return {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
@@ -29,6 +36,7 @@ def _stage_status(summary: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@run_in_gpu_stack_step
 def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_SMOKE="1", PYTHON=sys.executable, OUT=str(out),
@@ -161,6 +169,7 @@ def _note_snippets() -> list[str]:
 
 
 @pytest.mark.slow
+@run_in_gpu_stack_step
 def test_first_run_note_python_snippets_run_in_smoke_form(tmp_path):
     """The note's primary command (meta-rank check and decode timing, run as heredocs) uses gpu_check's build,
     make_config, QWEN05 and the tests' reward_fns: run both snippets on a CPU, in smoke shapes, with only the paths,
