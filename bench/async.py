@@ -67,7 +67,7 @@ def worker(args) -> None:
     sampling_ranks = 1 if k >= 0 else world  # async: the one rollout rank samples every row
     overrides = [
         f"num_generations={args.num_generations}", f"prompts_per_rank={args.prompts // (world if k < 0 else 1)}",
-        f"max_completion_length={args.cap}", f"data.max_prompt_length={args.max_prompt_length}", "beta=0.04",
+        f"max_completion_length={args.cap}", f"data.max_prompt_length={args.max_prompt_length}", f"beta={args.beta}",
         "num_iterations=1", f"max_steps={args.steps}", "reward_workers=0", "report_to=[jsonl]",
         "progress_bar=false", "save_final=false", "save_steps=0", f"output_dir={args.out}/run", "learning_rate=1e-6",
         "distributed.num_threads=1", "rewards=[{function: 'bench_common:digit_reward', weight: 1.0}]",
@@ -158,7 +158,7 @@ def run_config(args, k: int) -> dict:
                "--staleness", str(k), "--steps", str(args.steps), "--prompts", str(args.prompts),
                "--num-generations", str(args.num_generations), "--median", str(args.median), "--p95",
                str(args.p95), "--cap", str(args.cap), "--max-prompt-length", str(args.max_prompt_length),
-               "--tiny-hidden", str(args.tiny_hidden), "--tiny-layers", str(args.tiny_layers)]
+               "--tiny-hidden", str(args.tiny_hidden), "--tiny-layers", str(args.tiny_layers), "--beta", str(args.beta)]
         if args.model:
             cmd += ["--model", args.model]
         if args.mixed_precision:
@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--length-cap", type=int, default=0, help="cap the lengths at N, median and p95 scaled by "
                     "N / 1024 (0: 1024, --quick 128)")
     ap.add_argument("--max-prompt-length", type=int, default=128)
+    ap.add_argument("--beta", type=float, default=0.04, help="the KL coefficient of every configuration (0: no "
+                    "reference pass, TRL's default; it moves the trainer's share of the step)")
     ap.add_argument("--colocated-ranks", type=int, default=2, help="ranks of the colocated reference (they split "
                     "--prompts evenly)")
     ap.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="distributed.mixed_precision of every "
@@ -415,7 +417,7 @@ def main(argv=None) -> None:
         print(describe(name, runs[name]), flush=True)
     proj = projection(args, runs)
     print(json.dumps({"model": args.model or "tiny", "steps": args.steps, "prompts": args.prompts,
-                      "num_generations": args.num_generations,
+                      "num_generations": args.num_generations, "beta": args.beta,
                       "lengths": dict(median=args.median, p95=args.p95, cap=args.cap),
                       "load_average": round(os.getloadavg()[0], 2), "results": runs, "projection": proj}),
           flush=True)
