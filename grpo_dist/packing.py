@@ -50,9 +50,11 @@ def _sdpa_by_sequence(module, query, key, value, attention_mask, dropout=0.0, sc
                                       **kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS and k != "is_causal"}
     bounds = cu.tolist()
-    out = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                                  dropout=dropout, scaling=scaling, is_causal=True, **rest)[0]
-           for s, e in zip(bounds[:-1], bounds[1:])]
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # split, not one slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
+    # row, so N sequences cost N full-size tensors per layer; split's backward is one concatenation
+    out = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **rest)[0]
+           for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))]
     return torch.cat(out, dim=1), None  # [1, T, heads, head_dim], as sdpa_attention_forward returns
 
 

@@ -24,6 +24,7 @@ would silently compute something else, so a forward that did not consume its pla
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,8 @@ class AttentionPlan:
     def __init__(self, calls: list[tuple[int, int, list[tuple[int, int]], torch.Tensor | None]]):
         self.calls = calls
         self.consumed = 0
+        # every boundary of a query or key range: the stream is split there once per layer (_pieces)
+        self.points = sorted({p for qs, qe, ranges, _ in calls for p in (qs, qe, *(x for r in ranges for x in r))})
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -134,13 +137,29 @@ def shared_attention(module, query, key, value, plan: AttentionPlan, sdpa, **kwa
         raise ValueError("share_prompts: a shared-prompt forward needs one packed row of self-attention without a "
                          f"sliding window (query {tuple(query.shape)}, key {tuple(key.shape)}, sliding_window "
                          f"{kwargs.get('sliding_window')}); set share_prompts=false")
+    queries, keys, values = (_pieces(x, plan.points) for x in (query, key, value))
     out = []
     for qs, qe, ranges, mask in plan.calls:
-        k = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2) if len(ranges) > 1 else key[:, :, qs:qe]
-        v = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2) if len(ranges) > 1 else value[:, :, qs:qe]
+        q = _join(queries, plan.points, [(qs, qe)])
+        k, v = _join(keys, plan.points, ranges), _join(values, plan.points, ranges)
         if mask is None:
-            out.append(sdpa(module, query[:, :, qs:qe], k, v, None, is_causal=True, **kwargs)[0])
+            out.append(sdpa(module, q, k, v, None, is_causal=True, **kwargs)[0])
         else:
-            out.append(sdpa(module, query[:, :, qs:qe], k, v, mask[None, None], is_causal=False, **kwargs)[0])
+            out.append(sdpa(module, q, k, v, mask[None, None], is_causal=False, **kwargs)[0])
     plan.consumed += 1
     return torch.cat(out, dim=1), None  # [1, T, heads, dim], as sdpa_attention_forward returns
+
+
+def _pieces(x: torch.Tensor, points: list[int]) -> dict[int, torch.Tensor]:
+    """x [1, heads, T, dim] split at the plan's points, by start. One split, not a slice per call: a slice's
+    backward writes its gradient into a zero tensor the size of the whole stream, so a plan of N calls would cost
+    N such tensors per layer (quadratic in the sequences of a micro-batch); split's backward is one concatenation."""
+    sizes = [b - a for a, b in zip(points[:-1], points[1:])]
+    return dict(zip(points[:-1], x.split(sizes, dim=2)))
+
+
+def _join(pieces: dict[int, torch.Tensor], points: list[int], ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The stream's positions of `ranges`, in order, from its pieces."""
+    parts = [pieces[points[i]] for a, b in ranges for i in range(bisect.bisect_left(points, a),
+                                                                    bisect.bisect_left(points, b))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
