@@ -340,3 +340,64 @@ def _fallback_trainer(rank, world_size):
     m = trainer.learn(batch, rewards)
     assert m["tokens/processed_train"] > m["tokens/useful_train"]  # padded rows
     return trainer.padding_free
+
+
+def _slice_nodes(t: torch.Tensor) -> int:
+    """SliceBackward nodes in t's autograd graph: each one's backward fills a zero tensor of its whole input."""
+    seen, stack, n = set(), [t.grad_fn], 0
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        n += type(f).__name__.startswith("SliceBackward")
+        stack += [g for g, _ in f.next_functions]
+    return n
+
+
+def test_packed_attention_splits_the_stream_once_and_attends_each_sequence_alone():
+    """Both packed attention paths cut q/k/v with one split per layer, not a slice per sequence or call (a slice's
+    backward writes a stream-sized zero tensor, so N sequences cost N of them per layer); outputs and gradients are
+    those of each sequence's own causal attention, and of each shared-prompt call's keys, written out here."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from grpo_dist.packing import _sdpa_by_sequence
+    from grpo_dist.prompt_sharing import AttentionPlan, shared_attention
+
+    def attend(q, k, v, mask=None):  # [1, heads, n, dim] -> [1, n, heads, dim], as transformers' sdpa returns
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None).transpose(1, 2)
+
+    torch.manual_seed(0)
+    bounds = [0, 5, 8, 15, 19]
+    leaves = [torch.randn(1, 2, 19, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out, _ = _sdpa_by_sequence(torch.nn.Module(), *leaves, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                               max_length_q=7, max_length_k=7)
+    assert _slice_nodes(out) == 0
+    q, k, v = (x.detach().requires_grad_() for x in leaves)
+    want = torch.cat([attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], 1)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for got, ref in zip(leaves, (q, k, v)):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=1e-12)
+
+    # shared prompts: a prompt [0, 4), then two completions [4, 7) and [7, 9), each reading the prompt and itself
+    def completion_mask(c):  # the whole prompt, then causal within the completion
+        return torch.cat([torch.ones(c, 4, dtype=torch.bool), torch.ones(c, c, dtype=torch.bool).tril()], 1)
+    calls = [(0, 4, [(0, 4)], None), (4, 7, [(0, 4), (4, 7)], completion_mask(3)),
+             (7, 9, [(0, 4), (7, 9)], completion_mask(2))]
+    leaves = [torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    plan = AttentionPlan(calls)
+    out, _ = shared_attention(torch.nn.Module(), *leaves, plan, sdpa_attention_forward)
+    assert plan.consumed == 1 and _slice_nodes(out) == 0
+    q, k, v = (x.detach().requires_grad_() for x in leaves)
+    want = torch.cat([attend(q[:, :, a:b], torch.cat([k[:, :, s:e] for s, e in r], 2),
+                             torch.cat([v[:, :, s:e] for s, e in r], 2), None if m is None else m[None, None])
+                      for a, b, r, m in calls], 1)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for got, ref in zip(leaves, (q, k, v)):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=1e-12)
