@@ -915,7 +915,8 @@ class GRPOTrainer:
         cfg = self.cfg
         return LossSpec(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta if self._kl_in_loss() else 0.0, kl_estimator=cfg.kl_estimator,
-                        importance_sampling_level=cfg.importance_sampling_level, dual_clip_c=cfg.dual_clip_c,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        dual_clip_c=cfg.effective_dual_clip_c,
                         entropy_coef=cfg.entropy_coef, max_completion_length=cfg.max_completion_length)
 
     def _logp_and_entropy(self, logits, labels: torch.Tensor, want_entropy: bool):
@@ -1017,8 +1018,8 @@ class GRPOTrainer:
             "policy_loss": float(s["pg"] / tok),
             "kl": float(s["kl"] / tok),
             "clip_fraction": float(s["clipped"] / tok_iters),  # the dual-clip bound counts as clipped too
-            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)} if self.cfg.dual_clip_c is not None
-               else {}),
+            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)}
+               if self.cfg.effective_dual_clip_c is not None else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
             "trained_tokens": float(s["trained_tokens"]),  # 0: no row trained (entropy, kl then read 0)

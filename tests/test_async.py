@@ -141,6 +141,10 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
 
 @pytest.mark.parametrize("overrides, key", [
     (["rollout_ranks=1", "max_staleness=1", "epsilon=inf"], "epsilon"),
+    (["rollout_ranks=1", "max_staleness=2", "epsilon=1e9"], "epsilon"),
+    (["rollout_ranks=1", "max_staleness=1", "epsilon=1.0"], "epsilon"),
+    (["rollout_ranks=1", "max_staleness=1", "top_p=0.95"], "top_p"),
+    (["rollout_ranks=1", "max_staleness=1", "top_k=20"], "top_k"),
     (["max_staleness=1"], "max_staleness"),
     (["rollout_ranks=-1"], "rollout_ranks"),
     (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
@@ -154,6 +158,38 @@ def test_settings_that_cannot_apply_are_refused_at_start(overrides, key):
         load_config(None, BASE + overrides)
     assert str(e.value).startswith(f"command line: config key '{key}'")
     assert "\n" not in str(e.value).split(" (and ")[0]
+
+
+def test_filtered_sampling_is_accepted_on_policy():
+    """top_p / top_k are fine where the ratio is taken against the trainer's own log-probs (max_staleness 0)."""
+    from grpo_dist.config import load_config
+    cfg = load_config(None, BASE + ["rollout_ranks=1", "top_p=0.9", "top_k=20"])
+    assert cfg.async_problems(2) == []
+
+
+def test_filtered_sampler_logprobs_put_the_ratio_at_the_kept_mass():
+    """Why top_p < 1 is refused with max_staleness > 0: with the same weights, exp(logp_full - logp_sampler) for
+    a kept token is sum over kept tokens of softmax(scores), not 1."""
+    from grpo_dist.rollout import _filter_scores, _token_logprobs
+    torch.manual_seed(0)
+    scores = torch.randn(4, 50) * 2
+    filtered = _filter_scores(scores, 20, 0.9)
+    token = filtered.argmax(-1)
+    ratio = (_token_logprobs(scores, token) - _token_logprobs(filtered, token)).exp()
+    kept_mass = torch.where(filtered.isfinite(), scores.softmax(-1), 0).sum(-1)
+    torch.testing.assert_close(ratio, kept_mass)
+    assert (ratio < 0.99).all()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout_ranks=1", "max_staleness=1"], 3.0),          # stale rollouts: dual-clip on by default
+    (["rollout_ranks=1", "max_staleness=1", "dual_clip_c=5"], 5.0),
+    (["rollout_ranks=1"], None),                            # staleness 0 is synchronous GRPO: unchanged
+    ([], None),
+])
+def test_dual_clip_is_on_by_default_with_stale_rollouts(overrides, expected):
+    from grpo_dist.config import load_config
+    assert load_config(None, BASE + overrides).effective_dual_clip_c == expected
 
 
 def test_rollout_ranks_must_leave_a_trainer():
