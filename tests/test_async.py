@@ -89,6 +89,7 @@ def test_staleness_k_bounds_the_lag_and_trains_on_behaviour_logprobs(tmp_path):
     # the ratio is against the sampler's log-probs (stale by up to k steps): not 1, but near it
     assert all(m["ratio_mean"] != 1.0 for m in a["metrics"])
     assert all(abs(m["ratio_mean"] - 1.0) < 0.2 for m in a["metrics"])
+    assert all("dual_clip_fraction" in m for m in a["metrics"])  # dual-clip on by default with stale rollouts
 
 
 def test_lag_acceptance_rule():
