@@ -392,13 +392,12 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     from grpo_dist import faults
     from grpo_dist.data import render_prompt
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer
+    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer, reward_dtype
     from grpo_dist.rewards import RewardComputer
     from grpo_dist.rewards.batch import rollout_context
     from grpo_dist.rollout import eos_token_ids
     from grpo_dist.rollout_engines import SamplingSpec, build_rollout_engine, generate_batch, tied_aliases
     from grpo_dist.sampling_noise import row_seeds
-    from grpo_dist.trainer import reward_dtype
 
     tokenizer = load_tokenizer(cfg.model)
     policy = load_model(cfg.model, tokenizer)
@@ -479,12 +478,3 @@ def _received_weights(manifest, roles_: Roles):
         t = torch.empty(shape, dtype=dtype, device=roles_.device)
         _broadcast(t, roles_, f"the weight {name}")
         yield name, t
-
-
-def run(cfg, ctx: gdist.DistContext):
-    """For the launcher: (the trainer, None) on a trainer rank, (None, exit code) on a rollout rank once served."""
-    from grpo_dist.trainer import GRPOTrainer
-    roles_, own = setup(cfg, ctx)
-    if roles_.is_trainer:
-        return GRPOTrainer(cfg, own), None
-    return None, serve(cfg, roles_, own)

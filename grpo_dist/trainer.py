@@ -51,8 +51,8 @@ from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
 from grpo_dist.prompt_sharing import group_order, prompt_groups
-from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
-                              load_on_rank0_only, load_tokenizer, materialize_meta)
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
+                              load_tokenizer, materialize_meta, reward_dtype)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
@@ -75,11 +75,6 @@ class NonFiniteError(RuntimeError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on every completion of a step."""
-
-
-def reward_dtype(cfg: GRPOConfig):
-    """The compute dtype reward models run in: distributed.mixed_precision's, else model.dtype."""
-    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
 
 
 class Timer:

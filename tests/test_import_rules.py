@@ -25,8 +25,6 @@ KNOWN_CIRCLES = [
     # the engine registry lives in the package module that every engine imports its base class from
     {"grpo_dist.engines", "grpo_dist.engines.deepspeed", "grpo_dist.engines.fsdp", "grpo_dist.engines.fsdp2",
      "grpo_dist.engines.local", "grpo_dist.engines.torch_engine"},
-    # the rollout ranks build a trainer's replica through the trainer; the trainer starts them
-    {"grpo_dist.async_rollout", "grpo_dist.trainer"},
 ]
 
 PURE_MODULES = ["grpo_dist.advantages", "grpo_dist.logprobs", "grpo_dist.prompt_sharing", "grpo_dist.compaction",
