@@ -105,9 +105,10 @@ def main(argv=None) -> int:
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
-    except PeerLost as e:  # async_rollout: a rollout or trainer rank died or hung; the line names it
-        print(f"grpo_dist: {e}", file=sys.stderr, flush=True)
-        code = 1
+    except PeerLost as e:  # async_rollout: a rollout or trainer rank died, stopped or hung; the line names it
+        seen = watchdog.peer_report(e.peer) if e.peer is not None else None
+        print(f"grpo_dist: {e}" + (f"; {seen}" if seen else ""), file=sys.stderr, flush=True)
+        code = watchdog.PEER_FAILURE_EXIT_CODE
     except NonFiniteError as e:
         if ctx.is_main:  # an all-reduced verdict: every rank raises the same error
             print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -45,7 +45,7 @@ from grpo_dist.data import DataError, PromptSampler, load_examples, render_promp
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
-from grpo_dist.interrupts import GracefulStop
+from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
@@ -64,7 +64,6 @@ from grpo_dist.trained_prompts import record as record_prompts
 
 PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
 EMPTY_PASS_TOKENS = 2  # the forward an empty micro-batch runs to keep the collectives in step
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
 
 
@@ -828,6 +827,7 @@ class GRPOTrainer:
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)
             faults.inject("sigint", self.step + 1, self.ctx.rank)
+            faults.inject("term", self.step + 1, self.ctx.rank)
             seen = self._nonfinite_vote(not finite)
             skip = seen is not None or (normaliser == 0 and sft is None)
             before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
