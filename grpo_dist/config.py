@@ -282,8 +282,9 @@ class GRPOConfig:
                             "send back; 0: every rank samples and trains in turn (colocated)")
     max_staleness: int = _f(0, "with rollout_ranks > 0: a completion sampled by policy version v trains at step s "
                             "only if s - v <= max_staleness (at most that many steps of prompts in flight); 0: "
-                            "on-policy, the same weights and optimizer state as colocated training; > 0: the PPO "
-                            "ratio is against the sampler's (behaviour) log-probs, so clipping must be on")
+                            "on-policy, the same weights and optimizer state as colocated training; > 0: decoupled "
+                            "PPO, clipped around the trainer's own log-probs before the update (a no-grad pass) and "
+                            "weighted by their ratio to the sampler's, truncated at sampler_correction_cap")
     sampler_correction: str = _f("none", "truncated importance sampling of the policy loss by the trainer/sampler "
                                  "probability ratio of the rollout tokens (sampler = the rollout engine): none | "
                                  "token (per-token ratio) | sequence (the ratio of the whole completion)",

@@ -193,7 +193,8 @@ class GRPOTrainer:
         self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
         # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
-        # PPO ratio is against the sampler's (behaviour) log-probs, as in decoupled PPO
+        # objective is decoupled PPO: clipped around the proximal policy (this step's weights, a no-grad pass),
+        # weighted by proximal / behaviour (the sampler's log-probs), truncated at sampler_correction_cap
         self.async_rollouts = None
         if cfg.rollout_ranks:
             from grpo_dist.async_rollout import AsyncRollouts
@@ -772,8 +773,9 @@ class GRPOTrainer:
         log-probs are the old ones)."""
         unused = [None] * len(micro)
         ref = self._score(self.ref_model, batch, micro, self._tokens["reference"]) if self._kl_in_loss() else unused
-        old = self._score(self.engine.module, batch, micro, self._tokens["old"]) if self.cfg.num_iterations > 1 \
-            else unused
+        # the policy before the update: "old" for PPO epochs, the proximal policy of decoupled PPO (stale rollouts)
+        wanted = self.cfg.num_iterations > 1 or self.behaviour_ratio
+        old = self._score(self.engine.module, batch, micro, self._tokens["old"]) if wanted else unused
         return ref, old
 
     def _kl_in_loss(self) -> bool:
@@ -879,9 +881,7 @@ class GRPOTrainer:
         if first and entropy is not None:
             sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
         c = logp.shape[1]
-        old = old_logp[:, :c] if old_logp is not None else logp.detach()
-        if self.behaviour_ratio and mb.sampler_logprobs is not None:  # stale rollouts: against their sampler
-            old = mb.sampler_logprobs[:, :c].to(logp.dtype)
+        old = old_logp[:, :c] if old_logp is not None else logp.detach()  # stale rollouts: the proximal policy
         ref = ref_logp[:, :c] if ref_logp is not None else None
         is_weights = self._sampler_terms(mb, old, sums if first else None)
         terms = grpo_loss(logp, old, advantages, mb.completion_mask, normaliser=max(normaliser, 1.0),
@@ -936,9 +936,11 @@ class GRPOTrainer:
             return None
         sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
         weights = None
-        if self.cfg.sampler_correction != "none":
-            weights = truncated_is_weights(old, sampler, mask, self.cfg.sampler_correction,
-                                           self.cfg.sampler_correction_cap)
+        mode = self.cfg.sampler_correction
+        if mode == "none" and self.behaviour_ratio:  # decoupled PPO: the behaviour weight is never off
+            mode = "token"
+        if mode != "none":
+            weights = truncated_is_weights(old, sampler, mask, mode, self.cfg.sampler_correction_cap)
         if sums is not None:
             sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
             # KL(sampler || trainer), k3, in float64: for differences ~1e-5 fp32 rounding would swamp its ~d^2/2
@@ -1040,7 +1042,7 @@ class GRPOTrainer:
                                         "is_weight": sums["is_weight"], "tokens": tokens}, self.ctx.device)
         tok = max(float(s["tokens"]), 1.0)
         out = {"sampler_logprob_diff": float(s["sampler_diff"] / tok), "sampler_kl": float(s["sampler_kl"] / tok)}
-        if self.cfg.sampler_correction != "none":
+        if self.cfg.sampler_correction != "none" or self.behaviour_ratio:
             out["is_weight_mean"] = float(s["is_weight"] / tok)
         return out
 

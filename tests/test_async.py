@@ -4,6 +4,7 @@ within k and the metrics say so; a rollout rank that dies ends the trainer withi
 line naming it; bad settings are refused at start."""
 
 import json
+import math
 import os
 import time
 
@@ -72,7 +73,7 @@ def test_staleness_0_two_trainers_two_rollout_ranks_is_bitwise_two_colocated(tmp
 
 
 @pytest.mark.slow
-def test_staleness_k_bounds_the_lag_and_trains_on_behaviour_logprobs(tmp_path):
+def test_staleness_k_bounds_the_lag_and_trains_decoupled_ppo(tmp_path):
     k, steps = 2, 4
     # one iteration: with the policy's own log-probs as "old" every ratio would be exactly 1
     a = run_ranks(_train, 2, tmp_path, [f"max_steps={steps}", "rollout_ranks=1", f"max_staleness={k}",
@@ -86,10 +87,15 @@ def test_staleness_k_bounds_the_lag_and_trains_on_behaviour_logprobs(tmp_path):
     # a version is sent once: no weights with the first k + 1 batches after the first, then every step
     sent = [m["async/weight_sync_bytes"] > 0 for m in a["metrics"]]
     assert sent == [j + k + 1 < steps for j in range(steps)]
-    # the ratio is against the sampler's log-probs (stale by up to k steps): not 1, but near it
-    assert all(m["ratio_mean"] != 1.0 for m in a["metrics"])
-    assert all(abs(m["ratio_mean"] - 1.0) < 0.2 for m in a["metrics"])
-    assert all("dual_clip_fraction" in m for m in a["metrics"])  # dual-clip on by default with stale rollouts
+    # decoupled PPO: the ratio is against the proximal policy (this step's weights, a no-grad pass): ~1 with one
+    # iteration; the staleness shows in the sampler metrics and the behaviour weight proximal / sampler instead
+    assert all(abs(m["ratio_mean"] - 1.0) < 1e-4 for m in a["metrics"])
+    for m, lag in zip(a["metrics"], lags):
+        assert "is_weight_mean" in m and "dual_clip_fraction" in m  # both on by default with stale rollouts
+        if lag == 0:  # the sampler had the trainer's weights: only rounding apart
+            assert m["sampler_logprob_diff"] < 1e-4 and abs(m["is_weight_mean"] - 1.0) < 1e-4
+        else:  # sampled lag optimizer steps ago: the real gap (it read 0, and the weight 1, before)
+            assert m["sampler_logprob_diff"] > 1e-4 and abs(m["is_weight_mean"] - 1.0) > 1e-4
 
 
 def test_lag_acceptance_rule():
@@ -198,3 +204,27 @@ def test_rollout_ranks_must_leave_a_trainer():
     cfg = load_config(None, BASE + ["rollout_ranks=2"])
     assert cfg.async_problems(2)[0].startswith("config key 'rollout_ranks' = 2 leaves no trainer rank")
     assert cfg.async_problems(3) == []
+
+
+@pytest.mark.fast
+def test_decoupled_ppo_keeps_the_gradient_of_negative_advantage_sequences_under_gspo():
+    """The objective at max_staleness > 0. A sampler whose log-probs sit above the trainer's (e.g. a filtered,
+    renormalised distribution: each kept token's log-prob raised by -log(kept mass), here 0.05) puts GSPO's
+    sequence ratio exp(mean(logp - behaviour)) = exp(-0.05) below 1 - epsilon (3e-4): clipped, so
+    negative-advantage sequences got no gradient when the ratio was taken against the behaviour log-probs.
+    Decoupled PPO clips around the proximal policy (the trainer's own log-probs before the update: ratio 1) and
+    weights by proximal / behaviour: every sequence keeps its gradient."""
+    from grpo_dist.losses import LossSpec, grpo_loss, truncated_is_weights
+    torch.manual_seed(0)
+    logp = (torch.rand(4, 6) * -2).requires_grad_()
+    behaviour = logp.detach() + 0.05
+    mask, adv = torch.ones(4, 6), torch.tensor([1.0, -1.0, 1.0, -1.0])
+    spec = LossSpec(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
+    grpo_loss(logp, behaviour, adv, mask, normaliser=24.0, spec=spec).loss.backward()
+    assert (logp.grad[adv < 0] == 0).all()  # the ratio against the behaviour log-probs: clipped away
+    logp.grad = None
+    proximal = logp.detach()
+    weights = truncated_is_weights(proximal, behaviour, mask, "token", 2.0)
+    grpo_loss(logp, proximal, adv, mask, normaliser=24.0, spec=spec, is_weights=weights).loss.backward()
+    assert (logp.grad[adv < 0] != 0).all() and (logp.grad[adv > 0] != 0).all()
+    torch.testing.assert_close(weights, torch.full_like(weights, math.exp(-0.05)))
