@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import pickle
 import time
 from dataclasses import dataclass, replace
@@ -64,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 from grpo_dist import distributed as gdist
+from grpo_dist import watchdog
 from grpo_dist.config import ConfigError
+from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.rollout_engines import RolloutEngine
 
 STOP = -1
@@ -154,8 +157,9 @@ def _wait(work, roles_: Roles, what: str, peer: int, timeout_s: float | None = N
 
 def _lost_line(roles_: Roles, what: str, peer: int, why: str) -> str:
     side = "trainer" if roles_.is_trainer else "rollout"
+    peer_side = "trainer" if peer < roles_.trainers else "rollout"
     return (f"rank {roles_.rank} ({side}) waited up to {roles_.timeout_s:g} s (distributed.timeout_s) for {what} "
-            f"from rank {peer} and stopped: {why}")
+            f"from rank {peer} ({peer_side}) and stopped: {why}")
 
 
 _OUTBOX: list[tuple] = []  # sends not yet taken: (work, buffer, what, peer); the buffers must live until then
@@ -240,6 +244,7 @@ class AsyncRollouts:
         self.stats: dict[str, Any] = dict(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0,
                                           rollout_idle=0.0, rollout_busy=0.0)
         self.started = self.closed = False
+        self.peer_stopping = False  # this rank's rollout rank asked for a stop (SIGTERM there)
 
     @property
     def peer(self) -> int:
@@ -315,6 +320,11 @@ class AsyncRollouts:
             raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {step}, got batch "
                                f"{msg['batch']} (protocol out of order)")
         self._advance_cursor(trainer, step)
+        if msg.get("stop_requested") and not self.peer_stopping:  # the rollout rank was asked to stop
+            self.peer_stopping = True
+            print(f"[grpo_dist] rank {self.ctx.rank} (trainer): rank {self.peer} (rollout) was asked to stop: "
+                  f"finishing step {step + 1}, then writing a checkpoint and exiting with code 75", flush=True)
+            trainer.request_stop()
         self.stats["rollout_idle"], self.stats["rollout_busy"] = msg["idle_s"], msg["busy_s"]
         batch, rewards, per_function = msg["rollout"], msg["rewards"], msg["per_function"]
         lag = step - msg["version"]
@@ -392,13 +402,12 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     from grpo_dist import faults
     from grpo_dist.data import render_prompt
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer
+    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer, reward_dtype
     from grpo_dist.rewards import RewardComputer
     from grpo_dist.rewards.batch import rollout_context
     from grpo_dist.rollout import eos_token_ids
     from grpo_dist.rollout_engines import SamplingSpec, build_rollout_engine, generate_batch, tied_aliases
     from grpo_dist.sampling_noise import row_seeds
-    from grpo_dist.trainer import reward_dtype
 
     tokenizer = load_tokenizer(cfg.model)
     policy = load_model(cfg.model, tokenizer)
@@ -415,40 +424,56 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     manifest = recv_obj(0, roles_, "the weight manifest")
     version: int | None = None
     idle, busy, j = 0.0, 0.0, 0
+    stop = _RolloutStop(roles_.rank)
     try:
-        while True:
-            t0 = time.perf_counter()
-            header = recv_obj(0, roles_, f"the version header of batch {j}")
-            if header == STOP:
-                flush(roles_)
-                return 0
-            if header != version:  # a new version: switch weights between generation batches
-                engine.sync_weights(_received_weights(manifest, roles_))
-                version = header
-            for t in served:
-                msg = recv_obj(t, roles_, f"the prompts of batch {j}")
-                idle += time.perf_counter() - t0
-                t1 = time.perf_counter()
-                faults.inject("kill", msg["batch"] + 1, roles_.rank)  # a rollout rank that dies (tests)
-                faults.inject("stop", msg["batch"] + 1, roles_.rank)  # one that hangs
-                examples = msg["examples"]
-                prompts = [render_prompt(e, cfg.data, tokenizer) for e in examples]
-                spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
-                                                              cfg.num_generations)))
-                batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
-                                       cfg.data.max_prompt_length, ctx.device)
-                total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
-                                              cfg.max_completion_length, **rollout_context(examples, batch))
-                decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
-                faults.slow_down(msg["batch"] + 1, roles_.rank, time.perf_counter() - t1)  # a slow rank (tests)
-                busy += time.perf_counter() - t1
-                send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
-                              per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
-                              idle_s=idle, busy_s=busy), t, roles_, f"the completions of batch {msg['batch']}")
+        with GracefulStop(stop.request, False, lambda: j).installed():
+            while True:
                 t0 = time.perf_counter()
-            j += 1
+                watchdog.set_phase("rollout-wait", j)
+                header = recv_obj(0, roles_, f"the version header of batch {j}")
+                if header == STOP:
+                    flush(roles_)
+                    return PREEMPTED_EXIT_CODE if stop.requested else 0
+                if header != version:  # a new version: switch weights between generation batches
+                    watchdog.set_phase("weight-sync", j)
+                    engine.sync_weights(_received_weights(manifest, roles_))
+                    version = header
+                for t in served:
+                    msg = recv_obj(t, roles_, f"the prompts of batch {j}")
+                    idle += time.perf_counter() - t0
+                    if t in stop.told:  # that trainer stops after the step it is on: it only drains what is in flight
+                        send_obj(dict(batch=msg["batch"], drained=True), t, roles_,
+                                 f"the drained batch {msg['batch']}")
+                        t0 = time.perf_counter()
+                        continue
+                    t1 = time.perf_counter()
+                    watchdog.set_phase("rollout", msg["batch"])
+                    faults.inject("kill", msg["batch"] + 1, roles_.rank)  # a rollout rank that dies (tests)
+                    faults.inject("stop", msg["batch"] + 1, roles_.rank)  # one that hangs
+                    faults.inject("term", msg["batch"] + 1, roles_.rank)  # one asked to stop
+                    examples = msg["examples"]
+                    prompts = [render_prompt(e, cfg.data, tokenizer) for e in examples]
+                    spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
+                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                        row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
+                                                                  cfg.num_generations)))
+                    batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
+                                           cfg.data.max_prompt_length, ctx.device)
+                    watchdog.set_phase("reward", msg["batch"])
+                    total, per_function = rewards(batch.completions, batch.references,
+                                                  batch.completion_lengths.tolist(), cfg.max_completion_length,
+                                                  **rollout_context(examples, batch))
+                    decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
+                    faults.slow_down(msg["batch"] + 1, roles_.rank, time.perf_counter() - t1)  # a slow rank (tests)
+                    busy += time.perf_counter() - t1
+                    send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
+                                  per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
+                                  idle_s=idle, busy_s=busy, stop_requested=stop.requested), t, roles_,
+                             f"the completions of batch {msg['batch']}")
+                    if stop.requested:
+                        stop.told.add(t)
+                    t0 = time.perf_counter()
+                j += 1
     except PeerLost:
         raise
     except BaseException as e:  # this rank's own failure: its trainers stop now, naming it
@@ -457,6 +482,29 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     finally:
         rewards.close()
         engine.close()
+
+
+class _RolloutStop:
+    """A stop request (SIGTERM, SIGUSR1, a first Ctrl-C) on a rollout rank. The rollout rank keeps no state, so it
+    does not stop on its own: it finishes the batch in hand, sends it with stop_requested, and each trainer that
+    reads the flag requests a stop (the trainers agree on it, checkpoint after the step, exit 75). Batches asked
+    for after that are only drained by the trainers' close(): they get an empty answer at once. The rank exits 75
+    at the trainers' stop header."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.requested = False
+        self.told: set[int] = set()  # trainers sent a batch with stop_requested
+
+    def request(self) -> None:
+        if not self.requested:
+            self.requested = True
+            try:  # a signal handler: os.write, never print
+                os.write(2, f"[grpo_dist] rank {self.rank} (rollout): stop requested: finishing the batch in hand; "
+                            f"the trainers checkpoint after their step and exit with code {PREEMPTED_EXIT_CODE}\n"
+                            .encode())
+            except OSError:
+                pass
 
 
 class RolloutsElsewhere(RolloutEngine):
@@ -479,12 +527,3 @@ def _received_weights(manifest, roles_: Roles):
         t = torch.empty(shape, dtype=dtype, device=roles_.device)
         _broadcast(t, roles_, f"the weight {name}")
         yield name, t
-
-
-def run(cfg, ctx: gdist.DistContext):
-    """For the launcher: (the trainer, None) on a trainer rank, (None, exit code) on a rollout rank once served."""
-    from grpo_dist.trainer import GRPOTrainer
-    roles_, own = setup(cfg, ctx)
-    if roles_.is_trainer:
-        return GRPOTrainer(cfg, own), None
-    return None, serve(cfg, roles_, own)

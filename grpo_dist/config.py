@@ -42,6 +42,7 @@ TINY_DEFAULTS = dict(architecture="qwen2", hidden_size=128, num_hidden_layers=4,
                      num_key_value_heads=2, intermediate_size=256, vocab_size=None, tokenizer="char",
                      max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0)
 TINY_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+DEFAULT_ASYNC_DUAL_CLIP_C = 3.0  # dual-clip with stale rollouts when dual_clip_c is unset (verl's clip_ratio_c)
 
 
 def tiny_problems(tiny: dict) -> list[str]:
@@ -281,8 +282,9 @@ class GRPOConfig:
                             "send back; 0: every rank samples and trains in turn (colocated)")
     max_staleness: int = _f(0, "with rollout_ranks > 0: a completion sampled by policy version v trains at step s "
                             "only if s - v <= max_staleness (at most that many steps of prompts in flight); 0: "
-                            "on-policy, the same weights and optimizer state as colocated training; > 0: the PPO "
-                            "ratio is against the sampler's (behaviour) log-probs, so clipping must be on")
+                            "on-policy, the same weights and optimizer state as colocated training; > 0: decoupled "
+                            "PPO, clipped around the trainer's own log-probs before the update (a no-grad pass) and "
+                            "weighted by their ratio to the sampler's, truncated at sampler_correction_cap")
     sampler_correction: str = _f("none", "truncated importance sampling of the policy loss by the trainer/sampler "
                                  "probability ratio of the rollout tokens (sampler = the rollout engine): none | "
                                  "token (per-token ratio) | sequence (the ratio of the whole completion)",
@@ -325,7 +327,7 @@ class GRPOConfig:
     importance_sampling_level: str = _f("token", "ratio pi / pi_old per token (GRPO) or per sequence (GSPO: the "
                                         "geometric mean of the token ratios)", ("token", "sequence"))
     dual_clip_c: Optional[float] = _f(None, "dual-clip: for negative advantages the ratio counts at most c times "
-                                      "(c > 1; None: off)")
+                                      "(c > 1; None: off, or 3 with rollout_ranks > 0 and max_staleness > 0)")
     entropy_coef: float = _f(0.0, "entropy bonus: loss -= entropy_coef * token entropy (0: off)")
     # SFT + RL (grpo_dist/sft.py)
     sft_coef: float = _f(0.0, "SFT + RL (001 section 6.2): each optimizer step adds sft_coef x the token-mean NLL "
@@ -407,9 +409,18 @@ class GRPOConfig:
         if world_size is not None and R >= world_size:
             bad.append(f"config key 'rollout_ranks' = {R} leaves no trainer rank in a world of {world_size}; "
                        f"set it below {world_size}")
-        if k and math.isinf(self.epsilon):
-            bad.append(f"config key 'epsilon' = inf with max_staleness = {k}: the ratio against stale behaviour "
-                       f"log-probs must be clipped; set a finite epsilon")
+        if k and not self.epsilon < 1:
+            bad.append(f"config key 'epsilon' = {self.epsilon:g} with max_staleness = {k}: the ratio against stale "
+                       f"behaviour log-probs must be clipped inside (0, 2); set epsilon below 1 (e.g. 0.2)")
+        if k and (self.top_p < 1 or self.top_k > 0):
+            # The sampler's log-probs are those of the filtered, renormalised distribution: with unchanged weights
+            # the ratio against them is the kept mass (0.97 at top_p 0.95), so the clip window sits off centre and
+            # GSPO's narrow window drops every negative-advantage sequence. Refused until the decoupled objective
+            # (a proximal policy clipped against, the full-distribution behaviour log-probs as a weight) is built.
+            key, value = ("top_p", f"{self.top_p:g}") if self.top_p < 1 else ("top_k", str(self.top_k))
+            bad.append(f"config key '{key}' = {value} with max_staleness = {k}: the PPO ratio would be taken "
+                       f"against the filtered sampling distribution (off centre by the kept mass); use top_p=1.0 "
+                       f"and top_k=0 with max_staleness > 0, or max_staleness=0")
         if self.reward_timeout_s >= self.distributed.timeout_s:  # the rollout rank grades while a trainer waits
             bad.append(f"config key 'reward_timeout_s' = {self.reward_timeout_s:g} is not below "
                        f"distributed.timeout_s = {self.distributed.timeout_s:g}: with rollout_ranks > 0 a trainer "
@@ -583,6 +594,15 @@ class GRPOConfig:
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def effective_dual_clip_c(self) -> float | None:
+        """dual_clip_c as the loss uses it: with stale rollouts (rollout_ranks > 0, max_staleness > 0) the
+        importance ratio of a negative-advantage token is otherwise unbounded, so dual-clip is on at
+        DEFAULT_ASYNC_DUAL_CLIP_C (verl's clip_ratio_c) unless dual_clip_c is set."""
+        if self.dual_clip_c is None and self.rollout_ranks > 0 and self.max_staleness > 0:
+            return DEFAULT_ASYNC_DUAL_CLIP_C
+        return self.dual_clip_c
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,6 +14,8 @@ KIND is one of
     slow        from step N on, rollout rank R (rollout_ranks > 0) takes SLOW_FACTOR times as long over each batch
                 (it sleeps SLOW_FACTOR - 1 times what generating and grading the batch took): a slow peer, which
                 the run must wait for, not give up on
+    term        rank R sends itself SIGTERM in the middle of step N (where `kill` fires; on a rollout rank, while
+                it works on batch N - 1): a stop request that reaches one rank only, as a scheduler's may
     sigint      rank R sends SIGINT where a terminal's Ctrl-C goes, in the middle of step N (after the backward):
                 to torchrun's process group under torchrun (its workers run in sessions of their own and get the
                 signal from torchrun), else to its own process group; once per item, 0.3 s apart
@@ -31,7 +33,7 @@ import sys
 import time
 
 ENV = "GRPO_DIST_FAULT"
-KINDS = ("nan", "nan_grad", "kill", "kill_save", "kill_sent", "stop", "sigint", "slow")
+KINDS = ("nan", "nan_grad", "kill", "kill_save", "kill_sent", "stop", "term", "sigint", "slow")
 SLOW_FACTOR = 10
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?:@rank(?P<rank>\d+))?$")
 
@@ -61,6 +63,11 @@ def inject(kind: str, step: int, rank: int) -> bool:
         if k == kind and s == step and r in (None, rank):
             if kind == "sigint":
                 _ctrl_c()
+                continue
+            if kind == "term":
+                print(f"[grpo_dist] {ENV}: rank {rank} sends itself SIGTERM (term at step {step})", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
                 continue
             if kind.startswith("kill"):
                 print(f"[grpo_dist] {ENV}: rank {rank} kills itself ({kind} at step {step})", file=sys.stderr,

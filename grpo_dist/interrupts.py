@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from collections.abc import Callable, Iterator
 
 ABORT_EXIT_CODE = 130  # 128 + SIGINT
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The real os._exit, taken at import: while an in-process reward function runs, os._exit is swapped for one that
 # raises (rewards/grading.py), and an abort that lands then must still end the process.

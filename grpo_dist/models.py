@@ -21,6 +21,11 @@ from grpo_dist.config import TINY_DEFAULTS, ConfigError, ModelConfig, tiny_probl
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # distributed.mixed_precision -> the compute dtype (FSDP MixedPrecision, the generation replica)
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reward_dtype(cfg) -> torch.dtype:
+    """The compute dtype reward models run in (a GRPOConfig's): distributed.mixed_precision's, else model.dtype."""
+    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 

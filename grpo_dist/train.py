@@ -82,13 +82,14 @@ def main(argv=None) -> int:
             for line in start_warnings(cfg):  # settings that run but are probably not what was meant
                 print(f"[grpo_dist] {line}", flush=True)
         if cfg.rollout_ranks:  # asynchronous GRPO: a rollout rank serves until the trainers stop it
-            from grpo_dist.async_rollout import run as run_async
-            trainer, served = run_async(cfg, ctx)
-            if trainer is None:
+            from grpo_dist import async_rollout
+            roles, own = async_rollout.setup(cfg, ctx)  # own: this rank's group (the trainers or the rollout ranks)
+            if not roles.is_trainer:
+                served = async_rollout.serve(cfg, roles, own)
                 code = served if served is not None else 1
                 return code
-        else:
-            trainer = GRPOTrainer(cfg, ctx)  # data, model and resume checks: a failure leaves config.yaml as it was
+        # data, model and resume checks: a failure leaves config.yaml as it was
+        trainer = GRPOTrainer(cfg, own if cfg.rollout_ranks else ctx)
         rehearsal = dry_run.DryRun(trainer, given) if cfg.dry_run else None
         if ctx.is_main:  # only a run that started describes output_dir: a failed start must not rewrite it
             cfg.save(Path(cfg.output_dir) / "config.yaml")
@@ -104,9 +105,10 @@ def main(argv=None) -> int:
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2
-    except PeerLost as e:  # async_rollout: a rollout or trainer rank died or hung; the line names it
-        print(f"grpo_dist: {e}", file=sys.stderr, flush=True)
-        code = 1
+    except PeerLost as e:  # async_rollout: a rollout or trainer rank died, stopped or hung; the line names it
+        seen = watchdog.peer_report(e.peer) if e.peer is not None else None
+        print(f"grpo_dist: {e}" + (f"; {seen}" if seen else ""), file=sys.stderr, flush=True)
+        code = watchdog.PEER_FAILURE_EXIT_CODE
     except NonFiniteError as e:
         if ctx.is_main:  # an all-reduced verdict: every rank raises the same error
             print(f"grpo_dist: rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -45,14 +45,14 @@ from grpo_dist.data import DataError, PromptSampler, load_examples, render_promp
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
-from grpo_dist.interrupts import GracefulStop
+from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger
 from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
 from grpo_dist.prompt_sharing import group_order, prompt_groups
-from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
-                              load_on_rank0_only, load_tokenizer, materialize_meta)
+from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
+                              load_tokenizer, materialize_meta, reward_dtype)
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
@@ -64,7 +64,6 @@ from grpo_dist.trained_prompts import record as record_prompts
 
 PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
 EMPTY_PASS_TOKENS = 2  # the forward an empty micro-batch runs to keep the collectives in step
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, run me again"
 NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
 
 
@@ -75,11 +74,6 @@ class NonFiniteError(RuntimeError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on every completion of a step."""
-
-
-def reward_dtype(cfg: GRPOConfig):
-    """The compute dtype reward models run in: distributed.mixed_precision's, else model.dtype."""
-    return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
 
 
 class Timer:
@@ -199,7 +193,8 @@ class GRPOTrainer:
         self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
         # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
-        # PPO ratio is against the sampler's (behaviour) log-probs, as in decoupled PPO
+        # objective is decoupled PPO: clipped around the proximal policy (this step's weights, a no-grad pass),
+        # weighted by proximal / behaviour (the sampler's log-probs), truncated at sampler_correction_cap
         self.async_rollouts = None
         if cfg.rollout_ranks:
             from grpo_dist.async_rollout import AsyncRollouts
@@ -778,8 +773,9 @@ class GRPOTrainer:
         log-probs are the old ones)."""
         unused = [None] * len(micro)
         ref = self._score(self.ref_model, batch, micro, self._tokens["reference"]) if self._kl_in_loss() else unused
-        old = self._score(self.engine.module, batch, micro, self._tokens["old"]) if self.cfg.num_iterations > 1 \
-            else unused
+        # the policy before the update: "old" for PPO epochs, the proximal policy of decoupled PPO (stale rollouts)
+        wanted = self.cfg.num_iterations > 1 or self.behaviour_ratio
+        old = self._score(self.engine.module, batch, micro, self._tokens["old"]) if wanted else unused
         return ref, old
 
     def _kl_in_loss(self) -> bool:
@@ -833,6 +829,7 @@ class GRPOTrainer:
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)
             faults.inject("sigint", self.step + 1, self.ctx.rank)
+            faults.inject("term", self.step + 1, self.ctx.rank)
             seen = self._nonfinite_vote(not finite)
             skip = seen is not None or (normaliser == 0 and sft is None)
             before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
@@ -884,9 +881,7 @@ class GRPOTrainer:
         if first and entropy is not None:
             sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
         c = logp.shape[1]
-        old = old_logp[:, :c] if old_logp is not None else logp.detach()
-        if self.behaviour_ratio and mb.sampler_logprobs is not None:  # stale rollouts: against their sampler
-            old = mb.sampler_logprobs[:, :c].to(logp.dtype)
+        old = old_logp[:, :c] if old_logp is not None else logp.detach()  # stale rollouts: the proximal policy
         ref = ref_logp[:, :c] if ref_logp is not None else None
         is_weights = self._sampler_terms(mb, old, sums if first else None)
         terms = grpo_loss(logp, old, advantages, mb.completion_mask, normaliser=max(normaliser, 1.0),
@@ -915,7 +910,8 @@ class GRPOTrainer:
         cfg = self.cfg
         return LossSpec(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta if self._kl_in_loss() else 0.0, kl_estimator=cfg.kl_estimator,
-                        importance_sampling_level=cfg.importance_sampling_level, dual_clip_c=cfg.dual_clip_c,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        dual_clip_c=cfg.effective_dual_clip_c,
                         entropy_coef=cfg.entropy_coef, max_completion_length=cfg.max_completion_length)
 
     def _logp_and_entropy(self, logits, labels: torch.Tensor, want_entropy: bool):
@@ -940,9 +936,11 @@ class GRPOTrainer:
             return None
         sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
         weights = None
-        if self.cfg.sampler_correction != "none":
-            weights = truncated_is_weights(old, sampler, mask, self.cfg.sampler_correction,
-                                           self.cfg.sampler_correction_cap)
+        mode = self.cfg.sampler_correction
+        if mode == "none" and self.behaviour_ratio:  # decoupled PPO: the behaviour weight is never off
+            mode = "token"
+        if mode != "none":
+            weights = truncated_is_weights(old, sampler, mask, mode, self.cfg.sampler_correction_cap)
         if sums is not None:
             sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
             # KL(sampler || trainer), k3, in float64: for differences ~1e-5 fp32 rounding would swamp its ~d^2/2
@@ -1017,8 +1015,8 @@ class GRPOTrainer:
             "policy_loss": float(s["pg"] / tok),
             "kl": float(s["kl"] / tok),
             "clip_fraction": float(s["clipped"] / tok_iters),  # the dual-clip bound counts as clipped too
-            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)} if self.cfg.dual_clip_c is not None
-               else {}),
+            **({"dual_clip_fraction": float(s["dual_clipped"] / tok_iters)}
+               if self.cfg.effective_dual_clip_c is not None else {}),
             "ratio_mean": float(s["ratio"] / tok_iters),
             "entropy": float(s["entropy"] / tok),
             "trained_tokens": float(s["trained_tokens"]),  # 0: no row trained (entropy, kl then read 0)
@@ -1044,7 +1042,7 @@ class GRPOTrainer:
                                         "is_weight": sums["is_weight"], "tokens": tokens}, self.ctx.device)
         tok = max(float(s["tokens"]), 1.0)
         out = {"sampler_logprob_diff": float(s["sampler_diff"] / tok), "sampler_kl": float(s["sampler_kl"] / tok)}
-        if self.cfg.sampler_correction != "none":
+        if self.cfg.sampler_correction != "none" or self.behaviour_ratio:
             out["is_weight_mean"] = float(s["is_weight"] / tok)
         return out
 

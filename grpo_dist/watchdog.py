@@ -244,6 +244,26 @@ def describe_failure(e: BaseException, settle_s: float | None = None) -> tuple[s
     return f"{head}: {who} ({cause})", PEER_FAILURE_EXIT_CODE
 
 
+def peer_report(peer: int) -> str | None:
+    """What a peer's heartbeat last said, for a line about a wait on it that failed ("it last reported 'rollout'
+    at step 3, 31 s ago: its process is stopped (SIGSTOP)"); None without heartbeats or a store that answers."""
+    beat = _beat
+    if beat is None or not 0 <= peer < beat.world_size or peer == beat.rank:
+        return None
+    try:
+        beat.store.set_timeout(_READ_TIMEOUT)
+    except Exception:  # noqa: BLE001
+        pass
+    rec = (_read(beat.store, beat.world_size, beat.rank) or {}).get(peer)
+    if rec is None:
+        return None
+    if "exit_code" in rec:
+        return f"it exited with code {rec['exit_code']} in phase '{rec['phase']}' at step {rec['step']}"
+    state = {"gone": ": its process is gone", "stopped": ": its process is stopped (SIGSTOP)"}.get(
+        _process_state(rec) or "", "")
+    return f"it last reported '{rec['phase']}' at step {rec['step']}, {time.time() - rec['t']:.0f} s ago{state}"
+
+
 def _rank() -> int:
     return _beat.rank if _beat is not None else int(os.environ.get("RANK", 0))
 

@@ -43,3 +43,18 @@ def test_identical_rewards_give_zero_advantage():
     adv = group_advantages(r, 3)
     assert torch.all(adv[:6] == 0)
     assert zero_advantage_groups(r, 3).tolist() == [True, True, False]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sizes, successes", [([2, 8], [1, 4]), ([4, 16], [1, 3]), ([3, 8, 12], [2, 1, 6])])
+def test_sized_groups_weigh_a_prompt_by_its_group_size_minus_one(sizes, successes):
+    """Group size by difficulty (docs/curriculum.md): with scale_rewards=group, a mixed group's z-scores have
+    sum of squares (G - 1) * (std / (std + eps))^2 ~= G - 1, whatever its pass rate, so under one global normaliser
+    a prompt given G_p completions counts (G_p - 1) / (G_q - 1) as much as one given G_q: a group of 2 counts 1/7 of a
+    group of 8. For binary rewards with k of G correct, sum |A| = 2 sqrt(k (G - k) (G - 1) / G)."""
+    rewards = torch.cat([torch.tensor([1.0] * k + [0.0] * (g - k)) for g, k in zip(sizes, successes)])
+    adv = group_advantages(rewards, sizes).double()
+    for grp, g, k in zip(torch.split(adv, sizes), sizes, successes):
+        std = math.sqrt(k * (g - k) / (g * (g - 1)))
+        assert float((grp ** 2).sum()) == pytest.approx((g - 1) * (std / (std + ADV_EPS)) ** 2, rel=1e-5)
+        assert float(grp.abs().sum()) == pytest.approx(2 * math.sqrt(k * (g - k) * (g - 1) / g), rel=1e-3)

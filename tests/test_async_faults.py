@@ -44,8 +44,9 @@ def _main_entry(rank, world_size, port, out_dir, argv, env):
     os._exit(0)
 
 
-def _launch(tmp_path, world_size, overrides, env=None, limit_s=240):
-    """{rank: {"code", "err" (stderr), "ended" (time.time() its process ended, None if it was killed)}}."""
+def _launch(tmp_path, world_size, overrides, env=None, limit_s=240, wait_for=None):
+    """{rank: {"code", "err" (stderr), "ended" (time.time() its process ended, None if it was killed)}}.
+    wait_for: the ranks whose end is awaited (default all); the others are killed then."""
     out = tmp_path / "ranks"
     out.mkdir()
     argv = BASE + [f"output_dir={tmp_path / 'run'}"] + overrides
@@ -53,7 +54,8 @@ def _launch(tmp_path, world_size, overrides, env=None, limit_s=240):
                              nprocs=world_size, join=False, start_method="spawn")
     ended: dict = {}
     deadline = time.time() + limit_s
-    while len(ended) < world_size and time.time() < deadline:
+    awaited = set(range(world_size) if wait_for is None else wait_for)
+    while not awaited <= set(ended) and time.time() < deadline:
         for r, p in enumerate(ctx.processes):
             if r not in ended and not p.is_alive():
                 ended[r] = time.time()
@@ -85,8 +87,8 @@ def test_a_trainer_rank_that_dies_ends_the_other_trainer_and_the_rollout_rank(tm
     assert r[0]["code"] == "4", (r[0]["code"], r[0]["err"][-3000:])
     line = _lines(r[0]["err"], "grpo_dist: rank 0:")
     assert len(line) == 1 and "rank 1 is dead" in line[0], r[0]["err"][-3000:]
-    # the rollout rank: one line naming the rank it waited for and what for, exit 1
-    assert r[2]["code"] == "1", (r[2]["code"], r[2]["err"][-3000:])
+    # the rollout rank: one line naming the rank it waited for and what for, exit 4 (a peer failed)
+    assert r[2]["code"] == "4", (r[2]["code"], r[2]["err"][-3000:])
     line = _lines(r[2]["err"], "grpo_dist: rank 2 (rollout)")
     assert len(line) == 1, r[2]["err"][-3000:]
     assert "the version header of batch" in line[0] or "the prompts of batch" in line[0], line
@@ -104,12 +106,43 @@ def test_a_trainer_that_fails_tells_the_rollout_rank_which_stops_at_once(tmp_pat
     r = _launch(tmp_path, 2, ["max_steps=4", "rollout_ranks=1", "max_consecutive_nonfinite=1",
                               f"distributed.timeout_s={timeout}"], {"GRPO_DIST_FAULT": "nan@step2@rank0"})
     assert r[0]["code"] == "3", (r[0]["code"], r[0]["err"][-3000:])  # NONFINITE_EXIT_CODE
-    assert r[1]["code"] == "1", (r[1]["code"], r[1]["err"][-3000:])
+    assert r[1]["code"] == "4", (r[1]["code"], r[1]["err"][-3000:])  # a peer failed
     line = _lines(r[1]["err"], "grpo_dist: rank 1 (rollout)")
     assert len(line) == 1, r[1]["err"][-3000:]
     assert line[0].startswith("grpo_dist: rank 1 (rollout) stopped waiting for the version header of batch 2: "
                               "rank 0 (trainer) failed: NonFiniteError: "), line
     assert r[1]["ended"] - r[0]["ended"] < 5, r[1]["ended"] - r[0]["ended"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_rollout_rank_checkpoints_and_exits_75(tmp_path):
+    """SIGTERM reaches the rollout rank alone while it samples batch 1 (max_staleness 1: batches in flight). It
+    finishes the batch and flags it; the trainer trains step 2, writes checkpoint-2 and exits 75, draining what is in
+    flight; the rollout rank exits 75 at the stop header. (Before: the rollout rank died of the signal and the
+    trainer exited 1 without a checkpoint.)"""
+    r = _launch(tmp_path, 2, ["max_steps=6", "rollout_ranks=1", "max_staleness=1", "distributed.timeout_s=60"],
+                {"GRPO_DIST_FAULT": "term@step2@rank1"})
+    assert r[0]["code"] == "75", (r[0]["code"], r[0]["err"][-3000:])
+    assert r[1]["code"] == "75", (r[1]["code"], r[1]["err"][-3000:])
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (run / "checkpoint-2" / "manifest.json").is_file()
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert "rank 1 (rollout): stop requested" in r[1]["err"], r[1]["err"][-2000:]
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_rank_ends_the_trainer_with_exit_4_naming_it(tmp_path):
+    """SIGSTOP of the rollout rank while it samples batch 1: the trainer gives up after distributed.timeout_s with
+    exit 4 (a peer failed; before: 1) and one line naming rank 1, its role, its last phase and its state."""
+    timeout = 10
+    r = _launch(tmp_path, 2, ["max_steps=4", "rollout_ranks=1", f"distributed.timeout_s={timeout}"],
+                {"GRPO_DIST_FAULT": "stop@step2@rank1"}, limit_s=120, wait_for=[0])
+    assert r[0]["code"] == "4", (r[0]["code"], r[0]["err"][-3000:])
+    line = _lines(r[0]["err"], "grpo_dist: rank 0 (trainer)")
+    assert len(line) == 1, r[0]["err"][-3000:]
+    assert "the completions of batch 1 from rank 1 (rollout)" in line[0], line
+    assert "it last reported 'rollout' at step 1" in line[0] and "stopped (SIGSTOP)" in line[0], line
 
 
 # ------------------------------------------------------------------------------------- a slow rollout rank (objects)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grpo_dist.config_sections.data import DataConfig
 from grpo_dist.data.examples import DataError, PromptExample
-from grpo_dist.data.prompts import RenderedPrompt, chat_prompt
+from grpo_dist.data.chat_template import RenderedPrompt, chat_prompt
 
 _DEFAULT_TEMPLATE = "{prompt}"
 

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import re
 
+from .answer_words import BARE_MAX_CHARS, UNIT_WORDS, denied
+from .prose import final_sentence_answer, hedged, lone_statement_answer
+
 MAX_ANSWER_CHARS = 2000    # longest answer (after extraction) the grader tries to parse
 _BOX_NAMES = ("\\boxed", "\\fbox")
 MAX_BOXES = 8              # boxes looked at (the last ones); more are never an answer group
 MAX_GAP_CHARS = 80         # longest text between two boxes of one answer group
-BARE_MAX_CHARS = 120       # longest completion read as a bare answer (no box, no phrase)
 _BRACE_TOK_RE = re.compile(r"\\.|[{}]", re.S)
-# Words that are no prose: units after a number, and function names of math.
-UNIT_WORDS = (
-    "cm|mm|km|m|meters?|metres?|centimeters?|millimeters?|kilometers?|inch|inches|in|feet|foot|ft|"
-    "yards?|yd|miles?|mi|units?|square units|sq units|degrees?|deg|radians?|rad|cents?|dollars?|"
-    "hours?|hrs?|h|minutes?|mins?|seconds?|secs?|s|days?|weeks?|months?|years?|kg|g|grams?|"
-    "kilograms?|pounds?|lbs?|oz|ounces?|liters?|litres?|l|ml|gallons?|mph|km/h|m/s|"
-    "people|students|apples|times|ways|points|marbles|books|pages|cookies|pieces"
-)
 MATH_WORDS = {"sqrt", "pi", "sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp",
               "infty", "infinity", "inf", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh"}
 
@@ -144,17 +138,6 @@ def _box_group(text: str, spans: list) -> tuple[list, bool]:
     return [c.strip() for _, _, c in group], parts and len(group) > 1
 
 
-# Words right after a box that deny it: "\boxed{C} is wrong", "(C), no, that is not it"
-_DENIAL_RE = re.compile(
-    r"(?i)^[\s$.,;:)\]}]*(?:(?:which|that|this|it)\s+)?(?:is|was|would\s+be|seems)\s+(?:not|wrong|incorrect|false)\b|"
-    r"^[\s$.,;:)\]}]*(?:no|nope|wait)\b[\s,.!]+(?:that|this|it)\s*(?:is|'s)\s+(?:not|wrong|incorrect)")
-
-
-def denied(after: str) -> bool:
-    """True when the words that follow an answer deny it (a hack: name the option, then take it back)."""
-    return _DENIAL_RE.match(after[:80]) is not None
-
-
 _PHRASE_RE = re.compile(
     r"(?:final\s+answer[\s*_]*(?:is\b|:|=|\n)|\banswer[\s*_]*(?:is\s*)?:|"
     r"(?<![^\n])[*_]*Answer[*_]*[ \t]*(?=\$\$|\\\[))[\s*_]*:?\s*", re.I)  # a line "Answer \[ 9 \]"
@@ -269,7 +252,6 @@ def _number_in_words(ans: str):
     ans = re.sub(r"\$[^$\d]{1,40}\$", " ", ans)  # "the domain of $f(x)$ is 19": math without a number is words
     if "$" in ans or "\\" in ans or not _has_prose(ans) or len(ans.split()) < 3 or _PERCENT_AFTER_RE.search(ans):
         return None  # "35 percent" is a percent answer, not the number 35
-    from .prose import hedged
     if hedged(ans):
         return None  # "seven or 5", "maybe three, maybe 5", "probably 5 laps": a hedge names no one number
     nums = _NUMBER_RE.findall(ans)
@@ -304,7 +286,6 @@ def answer_group(text: str):
         return _box_group(text, spans)
     bare = _bare_answer(text)
     if not bare or _SPOKEN_RE.search(bare):  # "it is 5, not 7" is a sentence of short words, not math
-        from .prose import final_sentence_answer, lone_statement_answer
         bare = final_sentence_answer(text) or lone_statement_answer(text) or bare  # rules 3b and 3c
     return ([bare] if bare else None), False
 

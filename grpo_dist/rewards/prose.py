@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from .extract import BARE_MAX_CHARS, UNIT_WORDS, denied
+from .answer_words import BARE_MAX_CHARS, UNIT_WORDS, denied
 
 # Tokens that end a chat turn in the common templates (ChatML, Llama 3, Gemma, SentencePiece EOS).
 _END_OF_TURN_RE = re.compile(r"<\|im_end\|>|<\|im_start\|>|<\|endoftext\|>|<\|eot_id\|>|<\|end\|>|"

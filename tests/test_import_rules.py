@@ -1,0 +1,150 @@
+"""The import rules of grpo_dist/ (docs/design.md, "Rooms and the rules between them"), read from the source with
+ast, imports inside functions included (a lazy import hides a circle from the interpreter, not from the reader).
+
+- No new import circle. The circles that remain are listed in KNOWN_CIRCLES, to be taken apart (issue 38): a
+  circle that is not inside one of them fails, and so does a listed circle once it is gone (shrink the list).
+- Pure modules (arithmetic and string work tested against written-out formulas) import neither
+  torch.distributed nor the config.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "grpo_dist"
+
+KNOWN_CIRCLES = [
+    # config checks call into the reward specs and preflight, which import the config's error type and checks
+    {"grpo_dist.config", "grpo_dist.config_compose", "grpo_dist.preflight", "grpo_dist.rewards",
+     "grpo_dist.rewards.batch", "grpo_dist.rewards.grading", "grpo_dist.rewards.remote",
+     "grpo_dist.rewards.reward_model", "grpo_dist.rewards.specs", "grpo_dist.trl_names"},
+    # the engine registry lives in the package module that every engine imports its base class from
+    {"grpo_dist.engines", "grpo_dist.engines.deepspeed", "grpo_dist.engines.fsdp", "grpo_dist.engines.fsdp2",
+     "grpo_dist.engines.local", "grpo_dist.engines.torch_engine"},
+]
+
+PURE_MODULES = ["grpo_dist.advantages", "grpo_dist.logprobs", "grpo_dist.prompt_sharing", "grpo_dist.compaction",
+                "grpo_dist.sampling_noise", "grpo_dist.health", "grpo_dist.rewards.answer_words",
+                "grpo_dist.rewards.extract", "grpo_dist.rewards.prose", "grpo_dist.rewards.parser",
+                "grpo_dist.rewards.math", "grpo_dist.rewards.format", "grpo_dist.rewards.length"]
+
+
+def _modules(package: Path) -> dict[str, Path]:
+    out = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported_names(module: str, path: Path, tree: ast.AST) -> list[str]:
+    """Every dotted name an import statement of the module names (from-imports: the module and module.name)."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
+@functools.lru_cache(maxsize=4)
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the project modules it imports (a name resolves to its longest prefix that is a module)."""
+    modules = _modules(package)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for name in _imported_names(module, path, ast.parse(path.read_text())):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                graph[module].add(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+@pytest.mark.fast
+def test_circles_finds_a_loop_and_ignores_a_chain():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.fast
+def test_a_lazy_import_inside_a_function_counts(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "one.py").write_text("from pkg.two import f\n")
+    (package / "two.py").write_text("def f():\n    from . import one\n    return one\n")
+    assert circles(import_graph(package)) == [{"pkg.one", "pkg.two"}]
+
+
+@pytest.mark.fast
+def test_no_new_import_circle():
+    found = circles(import_graph())
+    new = [sorted(c) for c in found if not any(c <= known for known in KNOWN_CIRCLES)]
+    assert not new, f"new import circle(s) in grpo_dist/: {new}"
+    gone = [sorted(k) for k in KNOWN_CIRCLES if not any(c & k for c in found)]
+    assert not gone, f"circle(s) no longer there: remove them from KNOWN_CIRCLES: {gone}"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_modules_import_no_distributed_and_no_config(module):
+    imported = import_graph()[module]
+    path = _modules(PACKAGE)[module]
+    names = _imported_names(module, path, ast.parse(path.read_text()))
+    assert not [n for n in names if n.startswith("torch.distributed")], f"{module} imports torch.distributed"
+    assert not [m for m in imported if m == "grpo_dist.config" or m.startswith("grpo_dist.config_")], \
+        f"{module} imports the config"
