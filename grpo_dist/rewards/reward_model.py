@@ -112,8 +112,8 @@ class RewardModelScorer:
             ids = self.encode(rendered[s:s + self.batch_size])
             if self.max_length is not None:
                 ids = [x[-self.max_length:] for x in ids]  # from the left, as truncation_side = left
-            enc = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
-            enc = {k: v.to(self.device) for k, v in enc.items()}
+            padded = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+            enc = {k: v.to(self.device) for k, v in padded.items()}
             scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores
 

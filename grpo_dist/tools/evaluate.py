@@ -68,7 +68,7 @@ def resolve_model_dir(path: str) -> str:
     found = list_checkpoints(p)
     if not found:
         raise FileNotFoundError(f"--model {path}: no config.json and no complete checkpoint-<step>/ inside")
-    damaged = []
+    damaged: list[tuple[Path, str]] = []
     for _, ck in reversed(found):
         problem = verify_checkpoint(ck, check_hashes=True)
         if problem is None:
