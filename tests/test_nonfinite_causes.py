@@ -91,4 +91,4 @@ def test_a_remote_scorers_enormous_rewards_are_named_not_the_learning_rate(tmp_p
     health = [ln for ln in (captured.out + captured.err).splitlines() if "health: nonfinite" in ln]
     assert len(health) == 1, health
     assert "non-finite rewards from reward function 'judge' (|weight x reward| up to 1e+300)" in health[0], health
-    assert "learning_rate" not in health[0] and "Fix the reward function" in health[0], health
+    assert "learning_rate" not in health[0] and "fix the reward function" in health[0], health
