@@ -149,3 +149,18 @@ class _Batch:
 
     def __len__(self):
         return len(self.completions)
+
+
+def test_max_length_cuts_from_the_left(tmp_path):
+    """max_length keeps the last tokens (the completion's end, which the classifier reads): with a chat template the
+    template's and the row's ids cut from the left; without one the tokenizer's own left truncation."""
+    from grpo_dist.rewards.reward_model import RewardModelScorer
+    for name, template in (("chat", CHAT), ("plain", None)):
+        path = str(save_classifier(tmp_path / name, chat_template=template))
+        full = RewardModelScorer(path)
+        cut = RewardModelScorer(path, max_length=5)
+        rendered, _ = full.render(PROMPTS, COMPLETIONS)
+        for whole, short in zip(full.encode(rendered), cut.encode(rendered)):
+            assert len(short) == min(5, len(whole))
+            if template:
+                assert short == whole[-5:]

@@ -97,21 +97,21 @@ class RewardModelScorer:
         return out, errors
 
     def encode(self, rendered: list) -> list[list[int]]:
-        """Token ids: the chat template's special tokens parsed, row text as text (split_special_tokens);
-        without a chat template the tokenizer adds its own special tokens around the row text."""
+        """Token ids, cut to max_length from the left: the chat template's special tokens parsed, row text as text
+        (split_special_tokens); without a chat template the tokenizer adds its own special tokens around it."""
         from grpo_dist.data.prompts import encode_prompts
-        if not self.chat:
-            return [list(ids) for ids in self.tokenizer(rendered, add_special_tokens=True,
-                                                        split_special_tokens=True)["input_ids"]]
-        return encode_prompts(self.tokenizer, rendered)
+        if not self.chat:  # the tokenizer cuts from the left (truncation_side) and keeps its special tokens
+            return [list(ids) for ids in self.tokenizer(rendered, add_special_tokens=True, split_special_tokens=True,
+                                                        truncation=self.max_length is not None,
+                                                        max_length=self.max_length)["input_ids"]]
+        ids = encode_prompts(self.tokenizer, rendered)
+        return ids if self.max_length is None else [x[-self.max_length:] for x in ids]  # from the left
 
     @torch.no_grad()
     def forward(self, rendered: list) -> list[float]:
         scores: list[float] = []
         for s in range(0, len(rendered), self.batch_size):
             ids = self.encode(rendered[s:s + self.batch_size])
-            if self.max_length is not None:
-                ids = [x[-self.max_length:] for x in ids]  # from the left, as truncation_side = left
             padded = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
             enc = {k: v.to(self.device) for k, v in padded.items()}
             scores += self.model(**enc).logits[:, 0].float().tolist()
