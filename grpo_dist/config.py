@@ -486,8 +486,11 @@ class GRPOConfig:
             bad.append("config key 'rewards' is empty: give at least one {function: module:function}")
         bad += self._variant_problems()
         bad += _k1_problems(self)
-        from grpo_dist.rewards.specs import reward_spec_problems  # the three kinds of entry, their keys
-        bad += reward_spec_problems(self.rewards)
+        from grpo_dist.rewards.specs import remote_time_problems, reward_spec_problems  # the kinds, their keys
+        spec_bad = reward_spec_problems(self.rewards)
+        bad += spec_bad or remote_time_problems(self.rewards, self.reward_timeout_s,
+                                                self.prompts_per_rank * self.num_generations,
+                                                self.distributed.timeout_s)
         for s in self.report_to:
             if s not in ("jsonl", "tensorboard", "wandb"):
                 bad.append(f"config key 'report_to' has {short(s)}; allowed: jsonl, tensorboard, wandb")

@@ -141,8 +141,10 @@ class HealthMonitor:
                 del h[:-max(c.window, c.min_history)]  # bounded: the medians read the last window steps
         return out
 
-    def update(self, m: dict, step: int) -> Verdict:
-        """This step's verdict; m is the step's all-reduced metrics dict (identical on every rank)."""
+    def update(self, m: dict, step: int, skipped: tuple[str, str] | None = None) -> Verdict:
+        """This step's verdict; m is the step's all-reduced metrics dict (identical on every rank). `skipped`: the
+        non-finite guard's (what, advice) when it skipped this step: the nonfinite line then names the cause (a
+        reward function's enormous scores are not the learning rate's fault) instead of the generic advice."""
         flags: dict[str, int] = {}
         lines: list[str] = []
         if not self.cfg.enabled:
@@ -152,6 +154,8 @@ class HealthMonitor:
             if now and name not in self.active:
                 self.active[name] = step
                 means, change = CONDITIONS[name]
+                if name == "nonfinite" and skipped is not None:
+                    means, change = f"the step was skipped: {skipped[0]}", skipped[1][:1].lower() + skipped[1][1:]
                 lines.append(f"[grpo_dist] health: {name} from step {step} ({self._numbers(name, m)}): {means}; "
                              f"{change}")
             elif not now and name in self.active:

@@ -186,6 +186,7 @@ class GRPOTrainer:
         self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta)  # on all-reduced metrics only
         self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
+        self._skip_note: tuple[str, str] | None = None  # (what, advice) of this step's skip, for the health line
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
         # group size by difficulty (curriculum.num_generations_min/_max): this round's group sizes, the global
         # batch's and this rank's slice of them; None: every group has num_generations completions
@@ -419,7 +420,8 @@ class GRPOTrainer:
     def _check_health(self, metrics: dict):
         """The health monitor on this step's all-reduced metrics (the same verdict on every rank): its flags go
         into the metrics, its start/end lines to the console."""
-        health = self.health.update(metrics, self.step)
+        health = self.health.update(metrics, self.step, self._skip_note)
+        self._skip_note = None
         metrics.update(health.flags)
         for line in health.lines:
             self.logger.write(line)
@@ -967,8 +969,9 @@ class GRPOTrainer:
             return
         self.consecutive_nonfinite += 1
         self.nonfinite_steps += 1
+        what = nonfinite.describe(cause, self.rewards.names, self._reward_peaks, self.cfg.scale_rewards)
+        self._skip_note = (what, nonfinite.advice(cause, self._precision_advice()))
         if self.consecutive_nonfinite >= self.cfg.max_consecutive_nonfinite:
-            what = nonfinite.describe(cause, self.rewards.names, self._reward_peaks, self.cfg.scale_rewards)
             raise NonFiniteError(
                 f"{cause}: {self.consecutive_nonfinite} consecutive steps had {what} (the last: step "
                 f"{self.step + 1}); stopping. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "

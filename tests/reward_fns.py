@@ -184,3 +184,32 @@ def hangs_once(completion: str, reference: str) -> float:
     except FileExistsError:
         pass
     return float(len(completion) % 2)
+
+
+def calls_posix_exit(completion: str, reference: str) -> float:
+    """posix._exit(0): the same C function as os._exit, reached through the posix module."""
+    import posix
+    posix._exit(0)
+    return 0.0
+
+
+def calls_os_abort(completion: str, reference: str) -> float:
+    """os.abort(): SIGABRT, no cleanup, no checkpoint."""
+    import os
+    os.abort()
+    return 0.0
+
+
+def calls_raise_signal(completion: str, reference: str) -> float:
+    """signal.raise_signal(SIGKILL) on the trainer process."""
+    import signal
+    signal.raise_signal(signal.SIGKILL)
+    return 0.0
+
+
+def kills_itself(completion: str, reference: str) -> float:
+    """os.kill(os.getpid(), SIGKILL)."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0

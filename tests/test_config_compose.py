@@ -43,7 +43,8 @@ def test_sections_merge_key_by_key_lists_replace_and_paths_are_relative_to_each_
           "rewards:\n  - {function: 'grpo_dist.rewards:math_reward'}\n"
           "  - {function: 'grpo_dist.rewards:digit_overlap', weight: 0.5}\n")
     write(tmp_path, "sub/mid.yaml", "defaults: [../root.yaml]\ndata:\n  arithmetic: {seed: 2}\n")
-    top = write(tmp_path, "sub/deeper/top.yaml", "defaults: [../mid.yaml]\ndata: {limit: 10}\n"
+    # `..` is fine inside the top config's folder (tmp_path): root.yaml is reached from sub/
+    top = write(tmp_path, "top.yaml", "defaults: [sub/mid.yaml]\ndata: {limit: 10}\n"
                 "rewards: [{function: 'grpo_dist.rewards:number_match'}]\n")
     cfg = load_config(top)
     assert (cfg.data.preset, cfg.data.max_prompt_length, cfg.data.limit) == ("arithmetic", 32, 10)
@@ -196,3 +197,78 @@ def test_the_option_listing_shows_defaults_and_exp(capsys):
     assert shipped and all(name in exp for name in shipped)
     # the dataclass keys follow, as before
     assert any(line.startswith("num_generations = 8  # completions per prompt") for line in out)
+
+
+# --------------------------------------------------------------------------- issue 39, cases 2 and 3
+SECRET = "hunter2-do-not-print"
+
+
+def test_defaults_outside_the_config_folder_are_refused_without_reading_them(tmp_path):
+    """`defaults:` may name files under the top config's folder and the shipped configs only: an absolute path
+    (`/etc/shadow` printed 24 of its lines as unknown keys on the code before) or a `..` escape is refused in one
+    line that names the entry, and the file is never read, so nothing of it is printed."""
+    outside = write(tmp_path, "outside/shadow.yaml", f"root: {SECRET}\n{SECRET}: 1\n")
+    proj = tmp_path / "proj"
+    for entry in (str(outside), "../outside/shadow.yaml", "/etc/shadow"):
+        main_cfg = write(proj, "main.yaml", f"defaults: [{entry}]\nseed: 1\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(main_cfg)
+        msg = str(err.value)
+        assert SECRET not in msg and len(msg.splitlines()) == 1, msg
+        assert f"main.yaml:1: config key 'defaults' entry {entry!r}" in msg, msg
+        assert "absolute" in msg if entry.startswith("/") else "outside" in msg, msg
+    # a symlink inside the folder that points out of it is an escape too
+    (proj / "link.yaml").symlink_to(outside)
+    with pytest.raises(ConfigError, match="outside"):
+        load_config(write(proj, "main.yaml", "defaults: [link.yaml]\n"))
+
+
+def test_a_default_that_is_not_a_config_is_refused_without_its_contents(tmp_path):
+    """A file in the folder that is not a config (not YAML, not a mapping, no config key at its top level, not a
+    .yaml file) is refused naming the file only: none of its text is printed."""
+    cases = {"notes.yaml": f"password: {SECRET}\nuser: {SECRET}\n",
+             "broken.yaml": f"seed: [{SECRET}\n",
+             "scalar.yaml": f"{SECRET}\n",
+             "data.txt": "seed: 1\n"}
+    for name, text in cases.items():
+        write(tmp_path, name, text)
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, "main.yaml", f"defaults: [{name}]\n"))
+        msg = str(err.value)
+        assert SECRET not in msg and "password" not in msg and len(msg.splitlines()) == 1, (name, msg)
+        assert name in msg, msg
+
+
+def test_a_typo_in_a_real_default_is_still_named(tmp_path):
+    """A default that is a config (some of its top-level keys are config keys) keeps the usual line for a typo."""
+    write(tmp_path, "base.yaml", "seed: 1\nlernig_rate: 1.0\n")
+    with pytest.raises(ConfigError, match=r"base\.yaml:2: unknown config key 'lernig_rate'"):
+        load_config(write(tmp_path, "main.yaml", "defaults: [base.yaml]\n"))
+
+
+def test_a_shipped_config_can_be_a_default_from_any_folder(tmp_path):
+    """A name not found next to the file is looked up in the shipped configs (as +exp= names are)."""
+    cfg = load_config(write(tmp_path, "main.yaml", "defaults: [smoke_cpu.yaml]\nmax_steps: 1\n"))
+    assert cfg.max_steps == 1 and cfg.num_generations == 4 and cfg.data.preset == "arithmetic"
+
+
+def test_a_diamond_of_defaults_reads_each_file_once(tmp_path, monkeypatch):
+    """14 two-line files, each level's two naming both of the next level's: every file is reached 2^level times
+    (127 reads on the code before, doubling with each level: 14 more files took over 100 s). Each file is read
+    and expanded once; the merge is the same, and a cycle is still found."""
+    import grpo_dist.config as config
+    levels = 7
+    for k in range(levels):
+        for side in "ab":
+            nxt = f"defaults: [a{k + 1}.yaml, b{k + 1}.yaml]\n" if k + 1 < levels else "max_steps: 3\n"
+            write(tmp_path, f"{side}{k}.yaml", nxt + f"seed: {k}\n")
+    top = write(tmp_path, "top.yaml", "defaults: [a0.yaml, b0.yaml]\nlearning_rate: 0.5\n")
+    reads = []
+    real = config.load_yaml
+    monkeypatch.setattr(config, "load_yaml", lambda text, where: reads.append(where) or real(text, where))
+    cfg = load_config(top)
+    assert sorted(reads) == sorted({*reads}) and len(reads) == 2 * levels + 1, reads
+    assert (cfg.seed, cfg.max_steps, cfg.learning_rate) == (0, 3, 0.5)  # the nearer level wins, as before
+    write(tmp_path, f"b{levels - 1}.yaml", "defaults: [a2.yaml]\nseed: 9\n")  # a cycle deep in the diamond
+    with pytest.raises(ConfigError, match="form a cycle"):
+        load_config(top)

@@ -191,5 +191,13 @@ def test_lora_run_is_evaluated_with_its_config_from_merged_or_base_plus_adapter(
     ckpt = out / "checkpoint-1"
     merged = [evaluate(m, tmp_path / f"c{i}.jsonl") for i, m in enumerate((out, ckpt, ckpt / "merged"))]
     assert merged[0] == merged[1] == merged[2]
+    # the same checkpoint as a run without lora.save_merged writes it: no merged/, its manifest without it
+    # (evaluate verifies the manifest, so merged/ cannot just be deleted)
+    from grpo_dist.checkpoint import _describe, _write_manifest_file
+    from grpo_dist.manifest import files_on_disk
     (ckpt / "merged").rename(tmp_path / "merged_aside")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["config"]["lora"]["save_merged"] = False
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    _write_manifest_file(ckpt, _describe(ckpt, files_on_disk(ckpt)))
     assert evaluate(ckpt, tmp_path / "base_plus_adapter.jsonl") == merged[0]

@@ -55,3 +55,40 @@ def test_diverged_update_stops_before_any_checkpoint(tmp_path):
     assert msg.startswith("parameters: the parameters' norm grew") and "at step 1" in msg, msg
     assert f"There is no checkpoint in {tmp_path / 'run'}" in msg and "Lower learning_rate" in msg, msg
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_remote_scorers_enormous_rewards_are_named_not_the_learning_rate(tmp_path, capfd):
+    """A remote scorer answering +-1e300: the step is skipped, and the health line of that step names the scorer
+    and the cause, as the stop message does; on the code before it said "numerical blow-up ... lower
+    learning_rate"."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Huge(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            data = json.dumps({"rewards": [1e300 if i % 2 else -1e300
+                                           for i in range(len(body["completions"]))]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Huge)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        tr = _trainer(tmp_path, f"rewards=[{{url: 'http://127.0.0.1:{srv.server_address[1]}/', name: judge}}]",
+                      "max_consecutive_nonfinite=2", "health.enabled=true")
+        msg = _stop_message(tr)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "from reward function 'judge'" in msg and "learning_rate" not in msg, msg
+    captured = capfd.readouterr()
+    health = [ln for ln in (captured.out + captured.err).splitlines() if "health: nonfinite" in ln]
+    assert len(health) == 1, health
+    assert "non-finite rewards from reward function 'judge' (|weight x reward| up to 1e+300)" in health[0], health
+    assert "learning_rate" not in health[0] and "fix the reward function" in health[0], health

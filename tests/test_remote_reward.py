@@ -28,6 +28,18 @@ class Scorer(BaseHTTPRequestHandler):
             return self._send(500, b"busy")
         if self.path == "/slow":
             time.sleep(2)
+        if self.path == "/drip":  # the whole answer, headers included, one byte every 0.3 s (never 1 s apart)
+            reply = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n"
+                     b'{"rewards": [1.0, 1.0, 1.0]}\n')
+            try:
+                for i in range(len(reply)):
+                    self.wfile.write(reply[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except OSError:  # the client hung up: done
+                pass
+            self.close_connection = True
+            return
         if self.path == "/bad":
             return self._send(200, b"{rewards: oops")
         rewards = [None if body.get("solution", ["x"] * len(body["completions"]))[i] == "" else float(len(c))
@@ -110,3 +122,34 @@ def test_unreachable_server(capfd):
     assert rc.last_errors["judge"] == 3
     err = capfd.readouterr().err
     assert "Connection refused" in err and "(after 3 attempts)" in err, err
+
+
+def test_a_dripping_server_is_cut_at_the_request_deadline(server, capfd):
+    """timeout_s bounds the whole request, not each socket read: a server sending a byte every 0.3 s (each read
+    well within 1 s) held the call for the whole ~26 s answer on the code before; now it is cut at 1 s."""
+    t0 = time.monotonic()
+    rc, totals, per_fn = _score(server + "/drip", timeout_s=1, max_retries=0)
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    assert rc.last_errors["judge"] == 3 and per_fn["judge"] == [0.0] * 3
+    err = capfd.readouterr().err
+    assert "timed out after 1 s" in err, err
+
+
+def test_a_request_bound_beyond_the_collective_timeout_is_refused_at_start():
+    """reward_timeout_s x completions per rank (the default request bound), x attempts, must end before a waiting
+    rank's collective times out (5 s x 16 x 8 = 640 s > 600 s): refused naming the keys, before any model loads."""
+    from grpo_dist.config import ConfigError, load_config
+    base = ["model.tiny={architecture: qwen2, hidden_size: 32, num_hidden_layers: 1}", "num_generations=8",
+            "rewards=[{url: 'http://127.0.0.1:9/score', name: judge, max_retries: 0}]"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base + ["prompts_per_rank=16"])
+    msg = str(err.value)
+    assert "config key 'rewards[0].timeout_s'" in msg and "640" in msg and "distributed.timeout_s = 600" in msg, msg
+    load_config(None, base + ["prompts_per_rank=14"])  # 560 s: fits
+    with pytest.raises(ConfigError, match=r"3 attempts"):  # retries wait too: 3 x 280 s + backoff
+        load_config(None, base[:2] + ["prompts_per_rank=7", "rewards=[{url: 'http://127.0.0.1:9/score'}]"])
+    load_config(None, base[:2] + ["prompts_per_rank=7", "distributed.timeout_s=900",
+                                  "rewards=[{url: 'http://127.0.0.1:9/score'}]"])
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.timeout_s"):  # an explicit per-request bound likewise
+        load_config(None, base[:2] + ["rewards=[{url: 'http://127.0.0.1:9/score', timeout_s: 700, max_retries: 0}]"])

@@ -54,6 +54,45 @@ def test_in_process_batch_os_exit_is_a_reward_error():
     assert "os._exit(0) called by a reward function" in r.stderr
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("fn, words", [("calls_posix_exit", "posix._exit(0) called by a reward function"),
+                                       ("calls_os_abort", "os.abort() called by a reward function"),
+                                       ("calls_raise_signal", "signal.raise_signal(9) called by a reward function"),
+                                       ("kills_itself", "os.kill(")])
+def test_other_process_exits_are_reward_errors(fn, words):
+    """posix._exit, os.abort, signal.raise_signal and a kill of the process itself end the trainer as surely as
+    os._exit (on the code before: exit 0, -6 or -9, nothing printed): each is a reward error, the process lives."""
+    code = f"import test_reward_exit as t; t._grade_and_check({fn!r}); print('survived')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "survived", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stderr.count(f"reward function '{fn}'") == 1 and words in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.fast
+def test_other_threads_keep_the_real_exits():
+    """The guard refuses only the grading thread's calls: a helper thread (the parent-death watch sends the process
+    SIGTERM with os.kill) still gets the real functions while a reward function runs."""
+    import threading
+
+    from grpo_dist.rewards import grading
+    with grading._process_exit_blocked():
+        errors = []
+
+        def other():
+            try:
+                os.kill(os.getpid(), 0)  # signal 0: an existence check, harmless when allowed
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        with pytest.raises(grading.ProcessExitCalled):
+            os.kill(os.getpid(), 0)
+    assert errors == []
+    os.kill(os.getpid(), 0)  # restored
+
+
 def _grade_and_check(fn):
     from grpo_dist.rewards import RewardComputer
     real_exit = os._exit

@@ -28,21 +28,23 @@ class RenderedPrompt:
         return "".join(piece for piece, _ in self.pieces)
 
 
-def chat_prompt(tokenizer, messages, rows: list[str], config_texts: list[str], index: int) -> RenderedPrompt:
-    """The chat template rendered over messages(rows) (with the generation prompt), the row texts `rows` kept as
-    text. The chat template is a program over the message text (some trim it, some split it): it renders the rows
-    with every special-token string replaced by a numbered marker of private-use characters, and the marked spots
-    become the literal pieces. Rows without such strings render exactly as themselves."""
+def chat_prompt(tokenizer, messages, rows: list[str], config_texts: list[str], index: int,
+                generation_prompt: bool = True) -> RenderedPrompt:
+    """The chat template rendered over messages(rows) (with the generation prompt unless generation_prompt is
+    false: a finished conversation, as a reward model reads it), the row texts `rows` kept as text. The chat
+    template is a program over the message text (some trim it, some split it): it renders the rows with every
+    special-token string replaced by a numbered marker of private-use characters, and the marked spots become the
+    literal pieces. Rows without such strings render exactly as themselves."""
     pattern = special_pattern(tokenizer)
     if pattern is None or not any(pattern.search(r) for r in rows):
-        return RenderedPrompt(((_chat_text(tokenizer, messages(rows)), False),))
+        return RenderedPrompt(((_chat_text(tokenizer, messages(rows), generation_prompt), False),))
     markers = _markers(rows + config_texts + [str(getattr(tokenizer, "chat_template", ""))])
     spelled: list[str] = []
 
     def mark(m: re.Match) -> str:
         spelled.append(m.group(0))
         return f"{markers[0]}{len(spelled) - 1}{markers[1]}"
-    text = _chat_text(tokenizer, messages([pattern.sub(mark, r) for r in rows]))
+    text = _chat_text(tokenizer, messages([pattern.sub(mark, r) for r in rows]), generation_prompt)
     pieces, pos = [], 0
     for m in re.finditer(f"{markers[0]}(\\d+){markers[1]}", text):
         if int(m.group(1)) >= len(spelled):
@@ -58,8 +60,8 @@ def chat_prompt(tokenizer, messages, rows: list[str], config_texts: list[str], i
     return rendered
 
 
-def _chat_text(tokenizer, messages: list[dict]) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _chat_text(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     if not isinstance(text, str):  # some versions wrap single conversations
         text = text[0] if isinstance(text, list) and text and isinstance(text[0], str) else str(text)
     return text

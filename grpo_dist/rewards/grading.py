@@ -126,25 +126,56 @@ def _call_safely(fn, completion, reference, **kwargs) -> tuple[float, str | None
 
 
 class ProcessExitCalled(Exception):
-    """Raised instead of ending the process when an in-process reward function calls os._exit."""
+    """Raised instead of ending the process when an in-process reward function calls os._exit (or another way out
+    of the process: _EXITS)."""
+
+
+def _own_target(name: str, args: tuple) -> bool:
+    """Whether a call of `name` with `args` would end or signal this process (kill of another process is a reward
+    function's own business: a sandbox it started)."""
+    if name == "kill":
+        return args[0] in (0, os.getpid(), -os.getpgrp())
+    if name == "killpg":
+        return args[0] in (0, os.getpgrp())
+    return True
+
+
+# (module, attribute): every way a reward function can end or signal its own process without an exception.
+# posix._exit is os._exit's C function under the posix module's name; raise_signal / pthread_kill / kill / killpg
+# send a signal (SIGKILL, SIGABRT, SIGTERM: exit 75 without a cause) to this very process.
+_EXITS = (("os", "_exit"), ("posix", "_exit"), ("os", "abort"), ("posix", "abort"), ("signal", "raise_signal"),
+          ("signal", "pthread_kill"), ("os", "kill"), ("posix", "kill"), ("os", "killpg"), ("posix", "killpg"))
 
 
 @contextlib.contextmanager
 def _process_exit_blocked():
-    """While in-process reward functions run, os._exit raises ProcessExitCalled (a reward error) instead of ending
-    the trainer with no message, no checkpoint and the code the function chose (os._exit(0) looks like success
-    to a scheduler). Restored afterwards. Not used in worker processes: there os._exit only ends the worker,
-    which is counted as a crash, and the worker's own watchdog needs the real one."""
-    real = os._exit
+    """While in-process reward functions run, the calls of _EXITS made on this (the grading) thread raise
+    ProcessExitCalled (a reward error) instead of ending the trainer with no message, no checkpoint and the code
+    the function chose (os._exit(0) looks like success to a scheduler). Other threads (the parent-death watch's
+    SIGTERM, interrupts' abort through its own reference) keep the real functions. Restored afterwards. Not used in
+    worker processes: there an exit only ends the worker, which is counted as a crash, and the worker's own
+    watchdog needs the real one."""
+    import posix
+    modules = {"os": os, "posix": posix, "signal": signal}
+    grader = threading.get_ident()
+    saved = [(modules[m], a, getattr(modules[m], a)) for m, a in _EXITS if hasattr(modules[m], a)]
 
-    def refuse(code=0):
-        raise ProcessExitCalled(f"os._exit({code}) called by a reward function (refused in the trainer process)")
+    def refusing(module: str, name: str, real):
+        def refuse(*args, **kwargs):
+            if threading.get_ident() != grader or not _own_target(name, args):
+                return real(*args, **kwargs)
+            shown = ", ".join(str(int(a)) if isinstance(a, int) else repr(a) for a in args)
+            raise ProcessExitCalled(f"{module}.{name}({shown}) called by a reward function (refused in the trainer "
+                                    f"process)")
+        return refuse
 
-    os._exit = refuse
+    for mod, attr, real in saved:
+        setattr(mod, attr, refusing(mod.__name__, attr, real))
     try:
         yield
     finally:
-        os._exit = real
+        for mod, attr, real in saved:
+            setattr(mod, attr, real)
 
 
 # --------------------------------------------------------------------------- worker side

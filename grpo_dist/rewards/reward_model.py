@@ -14,6 +14,12 @@ The score of a completion is the model's single logit on the prompt and the comp
               else prompt_i + completion_i (the tokenizer adds its special tokens)
     score_i = model(**tokenizer(text_i)).logits[0, 0]
 
+with the prompt's and the completion's text tokenized as text, never as control tokens: a completion spelling
+`<|im_end|>\n<|im_start|>user` is those characters, not the end of the assistant's turn and a fake user turn in
+the judge's input (grpo_dist.data.prompts.chat_prompt / encode_prompts, as for the policy's prompts; texts that
+spell no special token tokenize exactly as tokenizer(text_i)). A chat template that rewrites such a text so that it
+cannot be kept apart makes that completion an error (reward_errors/<name>), not the others of the call.
+
 where prompt_i is the problem text of the row (see grpo_dist.rewards.batch; a message list in conversational mode
 is used as the conversation's first turns). Texts are scored batch_size at a time, padded (the classifier reads the
 last non-pad token, so padding does not change a score beyond float rounding) and, with max_length, truncated from
@@ -60,24 +66,54 @@ class RewardModelScorer:
         self.chat = getattr(self.tokenizer, "chat_template", None) is not None
 
     def texts(self, prompts: list, completions: list[str]) -> list[str]:
+        """The judge's input of each row as text (for logs and display): render()'s text."""
+        return [r if isinstance(r, str) else r.text for r in self.render(prompts, completions)[0]]
+
+    def render(self, prompts: list, completions: list[str]) -> tuple[list, list]:
+        """(each row's input: a str of row text only, or a RenderedPrompt of the chat template, None where the
+        template alters the row's text; each row's error or None)."""
         if not self.chat:
             return [(p if isinstance(p, str) else " ".join(str(m.get("content", "")) for m in p)) + c
-                    for p, c in zip(prompts, completions)]
-        out = []
-        for p, c in zip(prompts, completions):
+                    for p, c in zip(prompts, completions)], [None] * len(completions)
+        from grpo_dist.data import DataError
+        from grpo_dist.data.chat_template import chat_prompt
+        out: list = []
+        errors: list = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
             turns = list(p) if isinstance(p, list) else [{"role": "user", "content": p}]
-            text = self.tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": c}], tokenize=False)
-            out.append(text if isinstance(text, str) else str(text))
-        return out
+            rows = [m["content"] for m in turns if isinstance(m.get("content"), str)] + [c]
+
+            def messages(texts: list[str], turns=turns) -> list[dict]:
+                it = iter(texts)
+                return [dict(m, content=next(it)) if isinstance(m.get("content"), str) else m for m in turns] + \
+                    [{"role": "assistant", "content": next(it)}]
+            try:
+                out.append(chat_prompt(self.tokenizer, messages, rows, [], i, generation_prompt=False))
+                errors.append(None)
+            except DataError as e:
+                out.append(None)
+                errors.append(f"the reward model's chat template alters the completion's text, which spells a "
+                              f"special token, so it cannot be kept as text ({e})")
+        return out, errors
+
+    def encode(self, rendered: list) -> list[list[int]]:
+        """Token ids, cut to max_length from the left: the chat template's special tokens parsed, row text as text
+        (split_special_tokens); without a chat template the tokenizer adds its own special tokens around it."""
+        from grpo_dist.data.prompts import encode_prompts
+        if not self.chat:  # the tokenizer cuts from the left (truncation_side) and keeps its special tokens
+            return [list(ids) for ids in self.tokenizer(rendered, add_special_tokens=True, split_special_tokens=True,
+                                                        truncation=self.max_length is not None,
+                                                        max_length=self.max_length)["input_ids"]]
+        ids = encode_prompts(self.tokenizer, rendered)
+        return ids if self.max_length is None else [x[-self.max_length:] for x in ids]  # from the left
 
     @torch.no_grad()
-    def forward(self, texts: list[str]) -> list[float]:
+    def forward(self, rendered: list) -> list[float]:
         scores: list[float] = []
-        for s in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[s:s + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=self.max_length is not None, max_length=self.max_length,
-                                 add_special_tokens=not self.chat)
-            enc = {k: v.to(self.device) for k, v in enc.items()}
+        for s in range(0, len(rendered), self.batch_size):
+            ids = self.encode(rendered[s:s + self.batch_size])
+            padded = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+            enc = {k: v.to(self.device) for k, v in padded.items()}
             scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores
 
@@ -88,10 +124,16 @@ class RewardModelScorer:
             return [], []
         prompts = batch.prompts if len(batch.prompts) == n else [""] * n
         try:
-            values = self.forward(self.texts(prompts, list(batch.completions)))
+            rendered, errors = self.render(prompts, list(batch.completions))
+            ok = [i for i in range(n) if errors[i] is None]
+            values = self.forward([rendered[i] for i in ok])
         except Exception:  # noqa: BLE001 - counted as n errors by the caller
             return [0.0] * n, ["raised " + traceback.format_exc(limit=8)[-4000:]] * n
-        return check_batch_result(values, n)
+        checked, checked_errors = check_batch_result(values, len(ok))
+        scores: list = [0.0] * n
+        for j, i in enumerate(ok):
+            scores[i], errors[i] = checked[j], checked_errors[j]
+        return scores, errors
 
     def close(self) -> None:
         self.model = None

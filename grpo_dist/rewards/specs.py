@@ -23,7 +23,8 @@ from pathlib import Path
 
 from grpo_dist.config import MAX_REWARD_WEIGHT, short
 
-__all__ = ["KIND_KEYS", "reward_kind", "default_name", "reward_spec_problems", "model_dir_problems"]
+__all__ = ["KIND_KEYS", "reward_kind", "default_name", "reward_spec_problems", "model_dir_problems",
+           "remote_time_problems"]
 
 COMMON = ("weight", "name")
 KIND_KEYS: dict[str, tuple[str, ...]] = {
@@ -111,6 +112,31 @@ def reward_spec_problems(rewards: list) -> list[str]:
             m = r.get("max_retries", 2)
             if not _is_int(m) or not 0 <= m <= 10:
                 bad.append(f"config key '{key}.max_retries' must be an integer in [0, 10], got {short(m)}")
+    return bad
+
+
+def remote_time_problems(rewards: list, reward_timeout_s: float, completions_per_rank: int,
+                         collective_timeout_s: float) -> list[str]:
+    """A remote scorer's worst call (every attempt cut at its deadline: timeout_s, by default reward_timeout_s x
+    the rank's completions; plus the back-offs) must end before the other ranks, waiting in the next collective,
+    time out: else one slow scorer kills the job as "rank N hung" instead of costing a step's rewards."""
+    from grpo_dist.rewards.remote import worst_case_s
+    bad = []
+    for i, r in enumerate(rewards):
+        if not isinstance(r, dict) or "url" not in r:
+            continue
+        per_request = r.get("timeout_s") or reward_timeout_s * completions_per_rank
+        retries = r.get("max_retries", 2)
+        worst = worst_case_s(per_request, retries)
+        if worst >= collective_timeout_s:
+            how = (f"{per_request:g} s" if r.get("timeout_s") else
+                   f"reward_timeout_s {reward_timeout_s:g} s x {completions_per_rank} completions per rank = "
+                   f"{per_request:g} s")
+            attempts = f"{retries + 1} attempt{'s' if retries else ''}"
+            bad.append(f"config key 'rewards[{i}].timeout_s': a request may take {how}, {attempts}: "
+                       f"{worst:g} s, not below distributed.timeout_s = {collective_timeout_s:g} (the other ranks "
+                       f"wait that long in the next collective); set rewards[{i}].timeout_s (per request) or "
+                       f"max_retries lower, or raise distributed.timeout_s")
     return bad
 
 

@@ -4,7 +4,10 @@ pass@k from K samples per problem.
     python -m grpo_dist.tools.evaluate --model DIR --data FILE [--num-samples K] [--config YAML] [key=value ...]
     torchrun --nproc_per_node 2 -m grpo_dist.tools.evaluate --model DIR --data FILE
 
---model is an HF model directory, a checkpoint, or a training output_dir (its newest complete checkpoint is used).
+--model is an HF model directory, a checkpoint, or a training output_dir (its newest intact checkpoint is used, and
+named). A checkpoint is verified as a resume verifies it (manifest.json, sizes, sha256: about 1 GB/s): a damaged one
+named directly stops with one line and exit 2; damaged ones newer than an output_dir's newest intact checkpoint are
+named and left in place. A model directory without a manifest has its safetensors files checked for truncation.
 A LoRA checkpoint (adapter files) is evaluated as its merged/ model when the run wrote one (lora.save_merged), else
 as the run's base model with the adapter merged in; its merged/ given directly is evaluated with the run's config.
 --data is a .jsonl/.json/.parquet file read with the config's data fields (e.g. data.prompt_field=problem); without
@@ -30,6 +33,7 @@ import torch
 
 from grpo_dist import distributed as gdist
 from grpo_dist.evaluation import evaluate, k_values
+from grpo_dist.manifest import MANIFEST
 from grpo_dist.rollout_engines import RolloutEngine
 
 
@@ -43,15 +47,60 @@ def generation_dtype(cfg, device) -> torch.dtype | None:
 
 
 def resolve_model_dir(path: str) -> str:
-    """An HF model dir as is; a training output_dir -> its newest complete checkpoint."""
+    """An HF model dir as is (its safetensors files checked for truncation); a checkpoint verified as a resume
+    verifies it (manifest, sizes, sha256); a training output_dir -> its newest intact checkpoint, named, the damaged
+    newer ones named and left in place. CheckpointError (one line) when what was named cannot be trusted."""
+    from grpo_dist.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
     p = Path(path)
-    if (p / "config.json").is_file() or not p.is_dir():
-        return path  # a hub id or a model directory
-    from grpo_dist.checkpoint import latest_checkpoint
-    ck = latest_checkpoint(p)
-    if ck is None:
+    if not p.is_dir():
+        return path  # a hub id (or a path that does not exist: the loader says so)
+    ckpt = _checkpoint_of(path)
+    if (ckpt / MANIFEST).is_file() or (ckpt / "trainer_state.json").is_file():
+        problem = verify_checkpoint(ckpt, check_hashes=True)
+        if problem:
+            raise CheckpointError(f"--model {path}: checkpoint {ckpt} is damaged: {problem}; not evaluated")
+        return path
+    if (p / "config.json").is_file():
+        problem = weights_problem(p)
+        if problem:
+            raise CheckpointError(f"--model {path}: {problem}; not evaluated")
+        return path
+    found = list_checkpoints(p)
+    if not found:
         raise FileNotFoundError(f"--model {path}: no config.json and no complete checkpoint-<step>/ inside")
-    return str(ck)
+    damaged: list[tuple[Path, str]] = []
+    for _, ck in reversed(found):
+        problem = verify_checkpoint(ck, check_hashes=True)
+        if problem is None:
+            if os.environ.get("RANK", "0") == "0":  # every rank verifies (the same verdict), rank 0 says so
+                for d, why in damaged:
+                    print(f"grpo_dist.tools.evaluate: warning: {d}: {why}; skipped (left in place)", file=sys.stderr)
+                print(f"grpo_dist.tools.evaluate: evaluating {ck}, the newest intact checkpoint in {path} (sha256 "
+                      f"verified)", file=sys.stderr, flush=True)
+            return str(ck)
+        damaged.append((ck, problem))
+    listing = "; ".join(f"{d.name}: {why}" for d, why in damaged)
+    raise CheckpointError(f"--model {path}: no intact checkpoint ({listing}); nothing evaluated")
+
+
+def weights_problem(model_dir: Path) -> str | None:
+    """A model directory without a manifest: each *.safetensors file must hold what its header says (an 8-byte
+    header length, the JSON header, every tensor's bytes): a cut file is named before anything loads."""
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 + n:
+                    return f"{f.name} is truncated ({size} bytes, its header alone needs {8 + n})"
+                header = json.loads(fh.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            return f"{f.name} is not a readable safetensors file ({type(e).__name__})"
+        need = 8 + n + max(ends, default=0)
+        if size < need:
+            return f"{f.name} is truncated ({size} bytes, its header needs {need})"
+    return None
 
 
 def lora_model(model_dir: str) -> tuple[str | None, Path | None]:
@@ -124,6 +173,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.config import ConfigError, load_config
     from grpo_dist.data import DataError, load_examples, truncate_long_prompts
     from grpo_dist.models import load_tokenizer
@@ -153,7 +203,7 @@ def main(argv=None) -> int:
             what = weights if adapter is None else \
                 f"its base model ({cfg.model.name_or_path or 'model.tiny'}) with the adapter merged in"
             print(f"grpo_dist.tools.evaluate: LoRA checkpoint {model_dir}: evaluating {what}", file=sys.stderr)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError) as e:
         print(f"grpo_dist.tools.evaluate: {e}", file=sys.stderr)
         return 2
 
