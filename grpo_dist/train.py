@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     from grpo_dist.advice import start_warnings
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
+    from grpo_dist.metrics import MetricsWriteError
     from grpo_dist.runlock import stop_when_parent_dies
     from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError, RewardFunctionError
 
@@ -95,12 +96,13 @@ def main(argv=None) -> int:
         code = trainer.train()
         if rehearsal is not None:
             code = rehearsal.finish(code)
-        elif ctx.is_main and code == 0:
+        elif ctx.is_main and code == 0 and not trainer.was_finished:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
                   f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
-    except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
+    except (ConfigError, DataError, CheckpointError, RewardFunctionError, MetricsWriteError) as e:
         # these are raised on every rank from one shared verdict: printed once, by rank 0
-        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError)):
+        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError,
+                                             MetricsWriteError)):
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2

@@ -48,7 +48,7 @@ from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
-from grpo_dist.metrics import MetricsLogger
+from grpo_dist.metrics import MetricsLogger, MetricsWriteError
 from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
 from grpo_dist.prompt_sharing import group_order, prompt_groups
 from grpo_dist.models import (DTYPES, MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model,
@@ -168,6 +168,7 @@ class GRPOTrainer:
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
         self.resumed_from: Path | None = None
+        self.was_finished = False  # resumed at max_steps: nothing to train (nothing_to_do)
         self._stop_requested = False
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
@@ -382,7 +383,9 @@ class GRPOTrainer:
     def _train_loop(self) -> int:
         cfg = self.cfg
         exit_code = 0
-        if self.ctx.is_main and not cfg.dry_run:  # a dry run prints the table of the run as configured
+        # a resumed run that is finished already trains nothing (the loop below never runs) and says so; a dry run
+        # prints the table of the run as configured
+        if not self.nothing_to_do() and self.ctx.is_main and not cfg.dry_run:
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
@@ -393,8 +396,16 @@ class GRPOTrainer:
                 self._evaluate_if_due(metrics)
                 health = self._check_health(metrics)
                 watchdog.set_phase("stop-vote")
-                self.logger.log(metrics)
-                stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
+                self.logger.log(metrics)  # a failed append (full disk) is kept in logger.failed: stop together
+                votes = gdist.all_reduce_sum_named({"stop": float(self._stop_requested),
+                                                    "log_failed": float(self.logger.failed is not None)},
+                                                   self.ctx.device)  # every rank agrees to stop
+                if float(votes["log_failed"]):
+                    last = ckpt.latest_checkpoint(cfg.output_dir)
+                    raise MetricsWriteError(f"{self.logger.failed or 'rank 0 could not append to metrics.jsonl'}; "
+                                            f"the last checkpoint is {last or 'none'}: free space and rerun with "
+                                            f"resume_from_checkpoint=auto")
+                stop = bool(float(votes["stop"]))
                 saved = self._save_if_due(stop, bool(health.stop))
                 if cfg.save_best and cfg.save_best in metrics:
                     watchdog.set_phase("save")
@@ -414,6 +425,16 @@ class GRPOTrainer:
             self.rewards.close()
             self.close()
         return exit_code
+
+    def nothing_to_do(self) -> bool:
+        """A resumed run whose checkpoint is at max_steps already: say so in one line (rank 0), train nothing."""
+        if self.resumed_from is None or self.step < self.cfg.max_steps:
+            return False
+        self.was_finished = True
+        if self.ctx.is_main:
+            print(f"[grpo_dist] nothing to do: {self.resumed_from} is at step {self.step} and max_steps is "
+                  f"{self.cfg.max_steps}, so the run is finished; raise max_steps to train further", flush=True)
+        return True
 
     def _evaluate_if_due(self, metrics: dict) -> None:
         from grpo_dist.evaluation import due_tiers

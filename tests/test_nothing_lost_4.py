@@ -1,0 +1,137 @@
+"""Issue 39, cases 9-16 ("Nothing lost, fourth round"): metrics.jsonl on a full disk, the steps a resume replays,
+resuming a finished run, over-long prompts, the health monitor's false alarms, the dry run's chance of a wrong
+verdict, deterministic mode and an async checkpoint resumed colocated."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_dist.metrics import MetricsLogger
+from helpers import fill, tmpfs
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = "configs/smoke_cpu.yaml"
+
+
+def _main(capsys, *args):
+    from grpo_dist.train import main
+    code = main(["--config", SMOKE, "reward_workers=0", "progress_bar=false", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------- 9: metrics.jsonl, full disk
+@pytest.mark.fast
+def test_a_failed_metrics_append_leaves_whole_lines_and_names_the_file(tmp_path, monkeypatch):
+    """os.write takes 700 bytes of the third line, then the disk is full (ENOSPC): the file is cut back to its two
+    whole lines and logger.failed names the file and the cause (before: a half line, a traceback)."""
+    import grpo_dist.metrics as metrics
+    log = MetricsLogger(str(tmp_path), True, ["jsonl"], progress_bar=False)
+    log.log({"step": 1, "reward_mean": 0.5})
+    log.log({"step": 2, "reward_mean": 0.5})
+    real, calls = os.write, []
+
+    def full_disk(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, data[:700])  # a short write, as a filling disk gives
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(metrics.os, "write", full_disk)
+    log.log({"step": 3, "reward_mean": 0.5, "pad": "x" * 2000})
+    monkeypatch.setattr(metrics.os, "write", real)
+    path = tmp_path / "metrics.jsonl"
+    assert path.read_bytes().endswith(b"\n") and _steps(path) == [1, 2]
+    assert log.failed == f"appending the line of step 3 to {path} failed: No space left on device ({path})"
+    log.log({"step": 4})  # after a failure nothing more is appended: the run is stopping
+    log.close()
+    assert _steps(path) == [1, 2]
+
+
+@pytest.mark.fast
+def test_a_half_line_left_by_a_crash_is_cut_before_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "cut sh')
+    log = MetricsLogger(str(tmp_path), True, ["jsonl"], progress_bar=False)
+    log.log({"step": 2})
+    log.close()
+    assert _steps(path) == [1, 2]
+
+
+def test_full_disk_while_appending_metrics_exits_2_naming_the_file(tmp_path):
+    """The entry point on a tmpfs with 3 pages free and no checkpoint due: config.yaml (and the lock's page) take
+    some, metrics lines (~1.5 KB each) the rest until one does not fit. Before: a traceback, exit 1, that line cut
+    in half."""
+    with tmpfs(tmp_path / "fs", "128k") as fs:
+        fill(fs, 12288)
+        out = fs / "run"
+        r = subprocess.run([sys.executable, "-m", "grpo_dist.train", "--config", SMOKE, f"output_dir={out}",
+                            "reward_workers=0", "progress_bar=false", "log_completions=0", "save_steps=0",
+                            "save_final=false", "max_steps=8"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("grpo_dist: ")]
+        step = int(line.split("appending the line of step ")[1].split()[0])
+        assert step >= 2 and line.startswith(f"grpo_dist: rank 0: MetricsWriteError: appending the line of step "
+                                             f"{step} to {out / 'metrics.jsonl'} failed: No space left on device"), line
+        assert "the last checkpoint is none" in line, line
+        assert (out / "metrics.jsonl").read_bytes().endswith(b"\n")
+        assert _steps(out / "metrics.jsonl") == list(range(1, step))
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GRPO_DIST_FAULT"):
+        env.pop(k, None)
+    return env
+
+
+# ------------------------------------------------------------- 10, 11: replayed steps; resuming a finished run
+@pytest.mark.fast
+def test_a_resume_keeps_the_rows_it_replaces_and_says_which_steps(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": i, "reward_mean": i / 10}) + "\n" for i in range(1, 6))
+    path.write_text(rows)
+    MetricsLogger(str(tmp_path), True, ["jsonl"], progress_bar=False, start_step=3, resuming=True).close()
+    assert _steps(path) == [1, 2, 3]
+    assert (tmp_path / "metrics.jsonl.1").read_text() == rows  # before: the rows of steps 4 and 5 were deleted
+    assert capsys.readouterr().out.strip() == (
+        "[grpo_dist] resume: steps 4-5 (logged by the run before, after its last checkpoint at step 3) are "
+        "replayed; metrics.jsonl as it was, with their rows, is kept as metrics.jsonl.1")
+    # a second resume from the same checkpoint keeps the next copy; a resume with nothing to replay keeps none
+    path.write_text(rows[: rows.index('{"step": 5')])
+    MetricsLogger(str(tmp_path), True, ["jsonl"], progress_bar=False, start_step=3, resuming=True).close()
+    assert "step 4 (logged" in capsys.readouterr().out and (tmp_path / "metrics.jsonl.2").is_file()
+    MetricsLogger(str(tmp_path), True, ["jsonl"], progress_bar=False, start_step=3, resuming=True).close()
+    assert capsys.readouterr().out == "" and not (tmp_path / "metrics.jsonl.3").exists()
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    """3 steps, a checkpoint at step 2 only, as a run interrupted after step 3's line: the auto-resume replays
+    step 3 (it says so, and keeps the old line), then a second auto-resume of the finished run trains nothing, says
+    so in one line and exits 0 (before: the run table, 'resumed at step 3' and 'done', as if it had trained)."""
+    out_dir = tmp_path / "run"
+    base = [f"output_dir={out_dir}", "max_steps=3", "save_steps=2", "save_final=false", "log_completions=0"]
+    code, _ = _main(capsys, *base)
+    assert code == 0 and _steps(out_dir / "metrics.jsonl") == [1, 2, 3]
+    code, out = _main(capsys, *base, "save_final=true", "resume_from_checkpoint=auto")
+    assert code == 0, out
+    assert "[grpo_dist] resume: step 3 (logged by the run before, after its last checkpoint at step 2) is " \
+           "replayed; metrics.jsonl as it was, with their rows, is kept as metrics.jsonl.1" in out
+    assert _steps(out_dir / "metrics.jsonl") == [1, 2, 3] and _steps(out_dir / "metrics.jsonl.1") == [1, 2, 3]
+    code, out = _main(capsys, *base, "save_final=true", "resume_from_checkpoint=auto")
+    assert code == 0, out
+    lines = [x for x in out.splitlines() if x.startswith("[grpo_dist] ") and "loading" not in x]
+    assert lines[-1] == (f"[grpo_dist] nothing to do: {out_dir / 'checkpoint-3'} is at step 3 and max_steps is 3, "
+                         f"so the run is finished; raise max_steps to train further"), out
+    assert "done:" not in out and "run table" not in out and "step=" not in out
+    assert _steps(out_dir / "metrics.jsonl") == [1, 2, 3] and not (out_dir / "metrics.jsonl.2").exists()
