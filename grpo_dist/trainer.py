@@ -327,6 +327,10 @@ class GRPOTrainer:
         self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
+            change = ckpt.rollout_mode_change(saved.get("config") or {}, self.cfg.rollout_ranks,
+                                              self.ctx.world_size, Path(path).name)
+            if change:
+                print(change, flush=True)
         self.sampler.load_state_dict(state["sampler"])
         if self.curriculum is not None:  # a checkpoint without statistics was refused by _resolve_resume
             self.curriculum.load_state_dict(state["curriculum"])

@@ -135,3 +135,16 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
                          f"so the run is finished; raise max_steps to train further"), out
     assert "done:" not in out and "run table" not in out and "step=" not in out
     assert _steps(out_dir / "metrics.jsonl") == [1, 2, 3] and not (out_dir / "metrics.jsonl.2").exists()
+
+
+# ------------------------------------------------------------------- 16: an async checkpoint resumed colocated
+@pytest.mark.fast
+def test_a_change_between_async_and_colocated_is_said_on_resume():
+    from grpo_dist.checkpoint import rollout_mode_change
+    line = rollout_mode_change({"rollout_ranks": 1, "max_staleness": 1}, 0, 2, "checkpoint-4")
+    assert line == ("[grpo_dist] resume: checkpoint-4 was written by an asynchronous run (rollout_ranks=1, "
+                    "max_staleness=1); this run has no rollout ranks, so it goes on colocated: each of its 2 rank(s) "
+                    "samples its own batch with the current policy (set rollout_ranks=1 to go on asynchronously)")
+    assert "goes on asynchronously (rollout_ranks=2): 1 rank(s) train" in \
+        rollout_mode_change({"rollout_ranks": 0}, 2, 1, "checkpoint-4")
+    assert rollout_mode_change({"rollout_ranks": 1}, 3, 1, "c") is None and rollout_mode_change({}, 0, 1, "c") is None
