@@ -207,6 +207,10 @@ class GRPOConfig:
                                     "or metrics, deleting them (without it, and without resume_from_checkpoint, "
                                     "such a start is refused)")
     seed: int = _f(42, "seed of data order and sampling (sampling_noise says how)")
+    deterministic: bool = _f(False, "deterministic GPU kernels (grpo_dist/determinism.py): torch's deterministic "
+                             "algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic and not benchmarked, "
+                             "set before any model loads, so that a resumed GPU run can continue bitwise; costs GPU "
+                             "speed (docs/fault-tolerance.md). CPU runs are deterministic either way")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")

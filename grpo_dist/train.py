@@ -60,6 +60,9 @@ def main(argv=None) -> int:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
         return _report(2)
 
+    from grpo_dist import determinism
+    determinism.apply(cfg.deterministic)  # before any CUDA kernel: cuBLAS reads its workspace setting once
+
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist

@@ -115,12 +115,34 @@ def test_a_resume_keeps_the_rows_it_replaces_and_says_which_steps(tmp_path, caps
     assert capsys.readouterr().out == "" and not (tmp_path / "metrics.jsonl.3").exists()
 
 
-def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+@pytest.fixture
+def restore_determinism():
+    import torch
+    saved = (os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)
+    yield
+    env, algorithms, warn_only, cudnn_det, cudnn_bench = saved
+    if env is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = env
+    torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys, restore_determinism):
     """3 steps, a checkpoint at step 2 only, as a run interrupted after step 3's line: the auto-resume replays
     step 3 (it says so, and keeps the old line), then a second auto-resume of the finished run trains nothing, says
-    so in one line and exits 0 (before: the run table, 'resumed at step 3' and 'done', as if it had trained)."""
+    so in one line and exits 0 (before: the run table, 'resumed at step 3' and 'done', as if it had trained).
+    In deterministic mode (case 15), which on a CPU must still train and resume, to the same numbers."""
+    import torch
+    plain = tmp_path / "plain"
+    assert _main(capsys, f"output_dir={plain}", "max_steps=3", "save_steps=0", "log_completions=0")[0] == 0
+    assert not torch.are_deterministic_algorithms_enabled()
     out_dir = tmp_path / "run"
-    base = [f"output_dir={out_dir}", "max_steps=3", "save_steps=2", "save_final=false", "log_completions=0"]
+    base = [f"output_dir={out_dir}", "max_steps=3", "save_steps=2", "save_final=false", "log_completions=0",
+            "deterministic=true"]
     code, _ = _main(capsys, *base)
     assert code == 0 and _steps(out_dir / "metrics.jsonl") == [1, 2, 3]
     code, out = _main(capsys, *base, "save_final=true", "resume_from_checkpoint=auto")
@@ -128,6 +150,14 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
     assert "[grpo_dist] resume: step 3 (logged by the run before, after its last checkpoint at step 2) is " \
            "replayed; metrics.jsonl as it was, with their rows, is kept as metrics.jsonl.1" in out
     assert _steps(out_dir / "metrics.jsonl") == [1, 2, 3] and _steps(out_dir / "metrics.jsonl.1") == [1, 2, 3]
+    assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+
+    def numbers(path):  # the trained numbers of each step (not its timings)
+        return [(m["step"], m["loss"], m["grad_norm"], m["kl"], m["reward_mean"]) for m in
+                map(json.loads, path.read_text().splitlines())]
+    # the interrupted-and-resumed deterministic run trained the same numbers as the plain uninterrupted one
+    assert numbers(out_dir / "metrics.jsonl") == numbers(plain / "metrics.jsonl")
     code, out = _main(capsys, *base, "save_final=true", "resume_from_checkpoint=auto")
     assert code == 0, out
     lines = [x for x in out.splitlines() if x.startswith("[grpo_dist] ") and "loading" not in x]
@@ -148,3 +178,21 @@ def test_a_change_between_async_and_colocated_is_said_on_resume():
     assert "goes on asynchronously (rollout_ranks=2): 1 rank(s) train" in \
         rollout_mode_change({"rollout_ranks": 0}, 2, 1, "checkpoint-4")
     assert rollout_mode_change({"rollout_ranks": 1}, 3, 1, "c") is None and rollout_mode_change({}, 0, 1, "c") is None
+
+
+# ------------------------------------------------------------------------------------ 15: deterministic mode
+@pytest.mark.fast
+def test_deterministic_sets_the_cuda_settings_and_off_sets_nothing(restore_determinism, monkeypatch):
+    import torch
+
+    from grpo_dist import determinism
+    from grpo_dist.config import load_config
+    assert load_config(None, []).deterministic is False
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.backends.cudnn.benchmark = True
+    assert determinism.apply(False) == {} and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert determinism.apply(True) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "deterministic_algorithms": True,
+                                       "cudnn.deterministic": True, "cudnn.benchmark": False}
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own valid choice is kept
+    assert determinism.apply(True)["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
