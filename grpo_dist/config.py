@@ -717,6 +717,9 @@ def _number_problems(cfg) -> list[str]:
     if math.isfinite(value("reward_timeout_s")) and value("reward_timeout_s") > MAX_REWARD_TIMEOUT_S:
         bad.append(f"config key 'reward_timeout_s' must be at most {MAX_REWARD_TIMEOUT_S:g} (a day per completion), "
                    f"got {value('reward_timeout_s'):g}")
+    if not 0 <= value("data.max_truncated_prompt_fraction") <= 1:
+        bad.append(f"config key 'data.max_truncated_prompt_fraction' must be in [0, 1], got "
+                   f"{value('data.max_truncated_prompt_fraction')}")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= value(key) < 1:
             bad.append(f"config key '{key}' must be in [0, 1), got {value(key)}")

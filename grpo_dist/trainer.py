@@ -41,7 +41,8 @@ from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
-from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
+from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, render_prompt,
+                            truncate_long_prompts)
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
@@ -126,6 +127,7 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
+        self._check_prompt_lengths()  # prompts that lose their beginning: one warning, or refused (before models)
         self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
@@ -180,6 +182,7 @@ class GRPOTrainer:
                                                    num_params=num_params, synced=True) \
             if local_rollouts else RolloutsElsewhere()
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
+        self._prompts_cut = 0  # this step's prompts longer than max_prompt_length (all rollout rounds)
         if rng is not None:
             ckpt.set_rng_state(rng)
         self.weight_sync_s = 0.0
@@ -252,6 +255,19 @@ class GRPOTrainer:
         if self.ctx.is_main:
             print(f"[grpo_dist] loading {what} {name} ... done in {time.perf_counter() - t0:.1f} s", flush=True)
         return model
+
+    def _check_prompt_lengths(self) -> None:
+        """Rank 0 counts the training prompts that rollouts would cut (data.prompt_length_check), every rank gets
+        its verdict: above data.max_truncated_prompt_fraction the run stops (DataError, exit 2), else one warning."""
+        warning, error = None, None
+        if self.ctx.is_main:
+            warning, error = prompt_length_check(self.train_examples, self.cfg.data, self.tokenizer)
+            if warning:
+                print(f"[grpo_dist] {warning}", flush=True)
+        error = gdist.broadcast_object(error)
+        if error:
+            self.rewards.close()
+            raise DataError(error)
 
     def _untie_replica(self, names: list[str]) -> None:
         """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
@@ -493,6 +509,7 @@ class GRPOTrainer:
         timer, t0 = Timer(), time.perf_counter()
         watchdog.set_phase("rollout", self.step + 1)
         self._decode_tokens = [0, 0]
+        self._prompts_cut = 0
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
@@ -529,6 +546,7 @@ class GRPOTrainer:
             with timer("rollout"):
                 batch, rewards, per_function, self.rewards.last_errors, decode = self.async_rollouts.receive(self)
             self._decode_tokens = list(decode)
+            self._prompts_cut += batch.prompts_truncated
             self._last_reward_errors = self._reward_errors(len(rewards))
             return batch, rewards, per_function
         with timer("rollout"):
@@ -626,6 +644,7 @@ class GRPOTrainer:
         batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, answers,
                                self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
                                cfg.data.max_prompt_length, self.ctx.device)
+        self._prompts_cut += batch.prompts_truncated
         if batch.decode_row_steps is not None:
             self._decode_tokens[0] += batch.decode_row_steps
             self._decode_tokens[1] += int(batch.completion_mask.sum())
@@ -1021,6 +1040,7 @@ class GRPOTrainer:
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
+            "prompts_truncated": float(self._prompts_cut),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
             **{f"tokens/{k}_{name}": getattr(t, k) for name, t in self._tokens.items()
                for k in ("processed", "useful", "shared")}}, dev)
@@ -1037,6 +1057,7 @@ class GRPOTrainer:
             "completion_length_max": float(mx[0]),
             "truncated_fraction": float(s["truncated"] / n),
             "prompt_length_mean": float(s["prompt_tokens"] / n),  # with completion_length_mean: the length ratio
+            "prompts_truncated": int(s["prompts_truncated"]),  # prompts (all ranks) cut to max_prompt_length tokens
             "zero_advantage_fraction": float(s["flat_groups"] / s["groups"]),
             "loss": float(s["loss"]),
             "policy_loss": float(s["pg"] / tok),

@@ -196,3 +196,41 @@ def test_deterministic_sets_the_cuda_settings_and_off_sets_nothing(restore_deter
     assert torch.is_deterministic_algorithms_warn_only_enabled()
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own valid choice is kept
     assert determinism.apply(True)["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+# ----------------------------------------------------------------------------- 12: prompts cut from the left
+def test_prompts_longer_than_max_prompt_length_are_counted_warned_once_and_refused_above_a_fraction(tmp_path,
+                                                                                                    capsys):
+    """The smoke data rendered by the char tokenizer: 82 prompts of 4 tokens, 159 of 5, 79 of 6 (320). At
+    max_prompt_length=5, 79 / 320 = 24.7 % lose their first token: above the default 0.05 the run is refused
+    before any model loads (exit 2, one line); at max_truncated_prompt_fraction=0.3 it warns once at start. At
+    max_prompt_length=3 every prompt is cut: prompts_truncated = prompts_per_rank x ranks = 2 at every step.
+    Before: no word, no count, exit 0."""
+    out_dir = tmp_path / "run"
+    code, out = _main(capsys, f"output_dir={out_dir}", "max_steps=1", "data.max_prompt_length=5")
+    assert code == 2, out
+    [line] = [x for x in out.splitlines() if x.startswith("grpo_dist: ")]
+    assert line == ("grpo_dist: rank 0: DataError: 79 of 320 training prompts (24.7%) are longer than "
+                    "data.max_prompt_length=5 tokens once rendered (the longest 6): they lose their beginning, cut "
+                    "from the left, while their reference answer stays; that is more than "
+                    "data.max_truncated_prompt_fraction=0.05: raise data.max_prompt_length (to 6 to keep every prompt "
+                    "whole), shorten the prompt template, or raise data.max_truncated_prompt_fraction"), line
+    assert "loading" not in out  # refused before any model loads
+    code, out = _main(capsys, f"output_dir={out_dir}", "max_steps=2", "data.max_prompt_length=3",
+                      "data.max_truncated_prompt_fraction=1", "save_final=false", "overwrite_output_dir=true")
+    assert code == 0, out
+    assert out.count("[grpo_dist] warning: 320 of 320 training prompts (100.0%) are longer than "
+                     "data.max_prompt_length=3 tokens") == 1, out
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["prompts_truncated"] for m in rows] == [2, 2]
+    assert [m["prompt_length_mean"] for m in rows] == [3.0, 3.0]
+
+
+@pytest.mark.fast
+def test_max_truncated_prompt_fraction_is_checked_for_its_range():
+    from grpo_dist.config import load_config
+    assert load_config(None, []).data.max_truncated_prompt_fraction == 0.05
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ValueError, match=r"'data.max_truncated_prompt_fraction' must be in \[0, 1\], got"):
+            load_config(None, [f"data.max_truncated_prompt_fraction={bad}"])
+    load_config(None, ["data.max_truncated_prompt_fraction=0"])
