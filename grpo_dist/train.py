@@ -13,6 +13,8 @@ Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit code
       phase; grpo_dist/watchdog.py; resume with resume_from_checkpoint=auto)
   5   cannot learn: a health condition named in health.stop_on held (grpo_dist/health.py; a checkpoint is written
       first when saving is configured), or the --dry-run verdict was "cannot learn" (grpo_dist/dry_run.py)
+  6   the --dry-run verdict was "cannot tell yet": every completion of the rehearsal scored 0 (or 1), too few to
+      tell a rare success from none (grpo_dist/dry_run.py has the formula)
   75  stopped by SIGTERM/SIGUSR1 (or because torchrun died), or by a first Ctrl-C during training, after writing a
       checkpoint (requeue and resume with resume_from_checkpoint=auto)
   130 aborted by a second Ctrl-C (or a Ctrl-C before training started), without a checkpoint

@@ -234,3 +234,56 @@ def test_max_truncated_prompt_fraction_is_checked_for_its_range():
         with pytest.raises(ValueError, match=r"'data.max_truncated_prompt_fraction' must be in \[0, 1\], got"):
             load_config(None, [f"data.max_truncated_prompt_fraction={bad}"])
     load_config(None, ["data.max_truncated_prompt_fraction=0"])
+
+
+# ------------------------------------------------------------------ 14: the dry run's chance of a wrong verdict
+class _Rehearsed:
+    """What DryRun.verdict reads of a trainer: its config, world size and the monitor's history."""
+
+    def __init__(self, history, **overrides):
+        from types import SimpleNamespace
+
+        from grpo_dist.config import load_config
+        from grpo_dist.dry_run import prepare
+        self.cfg = prepare(load_config(SMOKE, [f"{k}={v}" for k, v in overrides.items()]), world_size=1)
+        self.ctx = SimpleNamespace(world_size=1, is_main=False)
+        self.health = SimpleNamespace(history=history)
+        self.on_graded = None
+
+
+def _dry_run(history, **overrides):
+    from grpo_dist.dry_run import DryRun
+    from grpo_dist.config import load_config
+    run = DryRun(_Rehearsed(history, **overrides), load_config(SMOKE, ["num_generations=8"]))
+    return run.verdict()[0], run.finish(0)
+
+
+FLAT_ZERO = dict(reward_mean=0.0, reward_std=0.0, zero_advantage_fraction=1.0, truncated_fraction=0.0, grad_norm=0.0)
+
+
+@pytest.mark.fast
+def test_the_dry_run_says_cannot_tell_yet_when_every_completion_scored_0():
+    """16 groups of 2 (8 prompts x 2 steps) whose 32 completions all scored 0. A config whose completions score 1
+    with probability p = 5 % shows every group flat with probability (p^2 + (1-p)^2)^16 = 20.2 %, every completion 0
+    with (1-p)^32 = 19.4 %: before, the verdict was 'cannot learn' (exit 5), wrong that often. Now 'cannot tell yet'
+    (exit 6), with the bound the 32 zeros do give: p < 1 - 0.05^(1/32) = 8.9 % at 95 % confidence."""
+    p = 0.05
+    assert round((p ** 2 + (1 - p) ** 2) ** 16, 3) == 0.202 and round((1 - p) ** 32, 3) == 0.194
+    bound = 1 - 0.05 ** (1 / 32)
+    assert round(bound, 3) == 0.089 and abs((1 - bound) ** 32 - 0.05) < 1e-12
+    reason, code = _dry_run([FLAT_ZERO, FLAT_ZERO])
+    assert code == 6, reason
+    assert reason == ("cannot tell yet: all 32 completions scored 0; if a completion could succeed with probability "
+                      "p, all 32 would score 0 with probability (1-p)^32 (19% at p = 5%), so this only shows that "
+                      "the success rate is below 8.9% (95% confidence). A full run with num_generations=8 may still "
+                      "learn; the health monitor says so if it does not. Check the reward function and the prompt "
+                      "format on the completions above")
+    # every completion 1: the mirror image; rewards that differ between groups but never inside one: cannot learn
+    reason, code = _dry_run([{**FLAT_ZERO, "reward_mean": 1.0}] * 2)
+    assert code == 6 and "success rate is above 91.1% (95% confidence)" in reason and "too easy" in reason
+    reason, code = _dry_run([{**FLAT_ZERO, "reward_mean": 0.25, "reward_std": 0.43}] * 2)
+    assert code == 5 and reason == "every group had one reward: groups are near-identical: raise temperature"
+    # a signal: can learn, exit 0
+    reason, code = _dry_run([{**FLAT_ZERO, "reward_mean": 0.25, "reward_std": 0.43, "zero_advantage_fraction": 0.5,
+                              "grad_norm": 0.7}] * 2)
+    assert (reason, code) == (None, 0)
