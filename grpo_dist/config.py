@@ -146,8 +146,9 @@ class HealthConfig:
                        "one when it ends; health/<name> (0/1) in the metrics")
     patience: int = _f(3, "steps in a row reward_constant / zero_advantage must hold (one flat step is noise; "
                        "3 is 'stuck', 000 section 12: reward 'constantly 0 or 1')")
-    zero_advantage_max: float = _f(0.9, "zero_advantage fraction above this for patience steps: almost no group "
-                                   "has a learning signal (000 section 11: loss always 0)")
+    zero_advantage_max: float = _f(0.99, "zero_advantage fraction above this for patience steps: almost no group "
+                                   "has a learning signal (000 section 11: loss always 0); a sparse-reward run that "
+                                   "learns can start with 95 % of its groups flat (0.6 % accuracy, groups of 8)")
     truncated_max: float = _f(0.5, "truncated_fraction above this: most answers cut off before they can be graded "
                               "(TRL's 256-token default cut off 97-99%)")
     min_completion_length: float = _f(10.0, "completion_length_mean below this (tokens) is a collapse (000 "
@@ -167,8 +168,14 @@ class HealthConfig:
                        "far from its reference (000: the KL run that collapsed to 0.4%)")
     window: int = _f(20, "steps in the running medians")
     min_history: int = _f(3, "steps of history before the relative (median) checks apply")
-    stop_on: list = _f(factory=list, help="conditions that stop the run (exit 5, after a checkpoint when saving is "
-                       f"configured): any of {', '.join(HEALTH_CONDITIONS)}")
+    stop_on: list = _f(factory=lambda: ["reward_constant"],
+                       help="conditions that stop the run (exit 5, after a checkpoint when saving is configured): any "
+                       f"of {', '.join(HEALTH_CONDITIONS)}; the default is the one that cannot false-alarm on a run "
+                       "that learns (docs/troubleshooting.md#health-monitor); [] never stops")
+    reward_constant_min_completions: int = _f(459, "reward_constant stops the run (stop_on) only once this many "
+                                              "completions in a row scored the same (its line comes after patience "
+                                              "steps): a config whose completions succeed 1 % of the time shows 459 "
+                                              "failures in a row with probability 0.99^459 < 1 %")
 
 
 CURRICULUM_MODES = ("none", "static", "online")

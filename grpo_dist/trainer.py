@@ -193,7 +193,9 @@ class GRPOTrainer:
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
-        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta)  # on all-reduced metrics only
+        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta,  # on all-reduced metrics only
+                                    completions_per_step=cfg.prompts_per_rank * ctx.world_size * cfg.num_generations,
+                                    grad_norm_per_signal=not cfg.skip_zero_advantage_groups)
         self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step

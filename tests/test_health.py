@@ -89,7 +89,8 @@ def test_truncated_length_entropy_grad_norm_kl_and_nonfinite():
     # grad norm: above 10x the median of earlier non-zero norms (1.0), after min_history=3 steps
     _, flags, lines = _drive([dict(grad_norm=50.0)] + [{}] * 3 + [dict(grad_norm=10.0), dict(grad_norm=10.5)])
     assert _held(flags, "grad_norm_jump") == [0, 0, 0, 0, 0, 1]
-    assert "grad_norm=10.5 > 10x its running median 1" in lines[0]
+    # compared per fraction of groups with a signal (1 - zero_advantage_fraction 0.2 = 0.8): 10.5 / 0.8 = 13.1
+    assert "grad_norm=10.5, per fraction of groups with a signal 13.12 > 10x its running median 1.25" in lines[0]
     # KL above 1.0 per token, only with a reference (beta > 0)
     assert _held(_drive([dict(kl=1.01)])[1], "kl_high") == [1]
     assert _held(_drive([dict(kl=1.01)], beta=0.0)[1], "kl_high") == [0]
@@ -180,7 +181,7 @@ def test_dry_run_verdicts_on_the_smoke_model(tmp_path, capsys):
 
 
 def test_stop_on_zero_advantage_writes_a_checkpoint_and_exits_5(tmp_path, capsys):
-    """A run that cannot learn (every reward 0: zero_advantage_fraction 1.0 > 0.9 for patience=2 steps) says so at
+    """A run that cannot learn (every reward 0: zero_advantage_fraction 1.0 > 0.99 for patience=2 steps) says so at
     step 2 and, with health.stop_on=[zero_advantage], stops there with exit 5 after a checkpoint; before the
     monitor it ran all 6 steps in silence and exited 0."""
     out_dir = tmp_path / "run"
@@ -189,7 +190,7 @@ def test_stop_on_zero_advantage_writes_a_checkpoint_and_exits_5(tmp_path, capsys
                       "skip_zero_advantage_groups=true")
     assert code == CANNOT_LEARN_EXIT_CODE, out
     assert "[grpo_dist] health: truncated from step 1 (truncated_fraction=1 > 0.5 at max_completion_length=2)" in out
-    assert "[grpo_dist] health: zero_advantage from step 2 (zero_advantage_fraction=1 > 0.9 for 2 steps)" in out
+    assert "[grpo_dist] health: zero_advantage from step 2 (zero_advantage_fraction=1 > 0.99 for 2 steps)" in out
     assert "[grpo_dist] health: stopping on zero_advantage (health.stop_on): checkpoint written at step 2, exiting " \
            "with code 5" in out
     assert (out_dir / "checkpoint-2").is_dir()

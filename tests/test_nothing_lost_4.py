@@ -287,3 +287,119 @@ def test_the_dry_run_says_cannot_tell_yet_when_every_completion_scored_0():
     reason, code = _dry_run([{**FLAT_ZERO, "reward_mean": 0.25, "reward_std": 0.43, "zero_advantage_fraction": 0.5,
                               "grad_norm": 0.7}] * 2)
     assert (reason, code) == (None, 0)
+
+
+# ------------------------------------------------------------------------- 13: the health monitor's false alarms
+def _series(kind: str, seed: int, steps: int = 60) -> list[dict]:
+    """Step metrics shaped like the runs they are named after, with seeded multiplicative noise (lognormal, 15 %;
+    grad norm 30 %; the fraction of groups with a signal drawn as a binomial count of 256 groups, 32 on the demos).
+    Learning runs: 'gsm8k' (a base model on GSM8K-style data taking off around step 15: accuracy
+    0.6 % -> 10 %, groups of 8 flat 95 % -> 43 % of the time, the grad norm rising with them 0.03 -> 0.34, length
+    950 -> 170 tokens as it stops rambling, entropy 1.25 -> 0.95), 'demo' (tests/data/golden/demo.json's reward and
+    grad norm for 20 steps, then
+    docs/demo.md's trend: reward -> 0.84, entropy 0.39 -> 0.20, length 2.86), 'real' (docs/demo.md's real-model
+    demo: length 12 -> 8 in ~4 steps, entropy 0.7 -> 0.06, reward 0.15 -> 0.55). No-learning runs: 'zero' (an
+    always-0 reward), 'eos' (the length collapses to EOS while the reward falls), 'entropy' (the entropy collapses
+    with the reward flat), 'explode' (the grad norm jumps 30x at step 40, the groups unchanged), 'short' (the
+    length falls 8x in a few steps with the reward flat)."""
+    import math
+
+    import numpy as np
+    rng = np.random.default_rng(seed)
+
+    def noisy(x, sd=0.15):
+        return float(x * math.exp(rng.normal(0.0, sd)))
+
+    def signal(flat, groups=256):  # the fraction of groups whose rewards differ, drawn as a count of groups
+        return float(rng.binomial(groups, 1 - flat)) / groups
+
+    def ramp(a, b, t, tau):  # from a towards b, exponentially, time constant tau steps
+        return b + (a - b) * math.exp(-t / tau)
+    golden = json.loads((ROOT / "tests/data/golden/demo.json").read_text())["trajectory"]
+    out = []
+    for t in range(steps):
+        m = dict(reward_std=0.3, truncated_fraction=0.0, kl=0.0, loss=0.01, skipped_steps=0, trained_tokens=100.0)
+        if kind == "gsm8k":  # the run takes off around step 15 (a logistic of width 2 steps)
+            s = 1 / (1 + math.exp(-(t - 15) / 2))
+            acc = 0.006 + (0.10 - 0.006) * s
+            sig = signal((1 - acc) ** 8 + acc ** 8)  # groups flat 0.953 -> 0.43
+            m.update(reward_mean=noisy(acc), zero_advantage_fraction=1 - sig,
+                     grad_norm=noisy(0.6 * sig, 0.3),  # 0.028 -> 0.34
+                     entropy=noisy(1.25 - 0.3 * s, 0.05), completion_length_mean=noisy(950 - 780 * s, 0.1),
+                     truncated_fraction=min(1.0, noisy(0.2 * (1 - s))))
+        if kind in ("short", "explode", "entropy", "eos"):
+            acc = 0.3
+            sig = signal((1 - acc) ** 8 + acc ** 8)
+            m.update(reward_mean=noisy(acc), zero_advantage_fraction=1 - sig,
+                     grad_norm=noisy(0.6 * sig, 0.3), entropy=noisy(2.0, 0.05),
+                     completion_length_mean=noisy(300.0, 0.1))
+            if kind == "short":  # 300 -> 38 tokens in a few steps, the reward as flat as before
+                m["completion_length_mean"] = noisy(ramp(300, 38, max(0, t - 20), 1.5))
+            if kind == "explode" and t >= 40:
+                m["grad_norm"] *= 30
+            if kind == "entropy":  # 2.0 -> 0.15 while the reward stays where it was
+                m["entropy"] = noisy(ramp(2.0, 0.15, max(0, t - 20), 4))
+            if kind == "eos" and t >= 20:  # only EOS within a few steps, the reward going to 0 with it
+                m["completion_length_mean"] = noisy(ramp(300, 1.5, t - 20, 2))
+                m["reward_mean"] = noisy(ramp(0.3, 0.0, t - 20, 2))
+        elif kind == "demo":
+            reward = golden["reward_mean"][t] if t < 20 else noisy(ramp(0.6, 0.84, t - 20, 15), 0.05)
+            sig = signal((1 - reward) ** 8 + reward ** 8, groups=32)
+            m.update(reward_mean=reward, zero_advantage_fraction=1 - sig, completion_length_mean=noisy(2.86, 0.02),
+                     grad_norm=golden["grad_norm"][t] if t < 20 else noisy(2.4 * sig, 0.3),
+                     entropy=noisy(ramp(0.39, 0.20, t, 20)))
+        elif kind == "real":
+            reward = ramp(0.15, 0.55, t, 12)
+            sig = signal((1 - reward) ** 8 + reward ** 8, groups=32)
+            m.update(reward_mean=noisy(reward), zero_advantage_fraction=1 - sig,
+                     completion_length_mean=noisy(ramp(12, 8, t, 2), 0.05), grad_norm=noisy(1.5 * sig, 0.3),
+                     entropy=noisy(ramp(0.7, 0.06, t, 12)), truncated_fraction=min(1.0, noisy(ramp(0.3, 0, t, 2))))
+        elif kind == "zero":
+            m.update(reward_mean=0.0, reward_std=0.0, zero_advantage_fraction=1.0, grad_norm=0.0,
+                     completion_length_mean=noisy(200.0), entropy=noisy(2.0), loss=0.0)
+        out.append(m)
+    return out
+
+
+def _alarms(steps: list[dict], max_completion_length: int = 1024) -> dict[str, int]:
+    """condition -> the first step it held (HealthConfig defaults)."""
+    from grpo_dist.config import HealthConfig
+    from grpo_dist.health import HealthMonitor
+    mon, first = HealthMonitor(HealthConfig(), max_completion_length, beta=0.0), {}
+    for i, m in enumerate(steps, start=1):
+        for k, v in mon.update(m, i).flags.items():
+            if v:
+                first.setdefault(k.split("/")[1], i)
+    return first
+
+
+@pytest.mark.fast
+def test_the_health_monitor_raises_no_alarm_on_learning_runs_and_still_does_on_no_learning_ones():
+    """Before, on the same series: gsm8k raised grad_norm_jump (0.03 -> 0.32 as groups stop being flat),
+    length_collapse (950 -> 170) and entropy_collapse (1.25 -> under 1.0) on every seed."""
+    for seed in range(20):
+        assert _alarms(_series("gsm8k", seed)) == {}, seed
+        assert _alarms(_series("demo", seed), max_completion_length=4) == {}, seed
+        assert _alarms(_series("real", seed, steps=40), max_completion_length=16) == {}, seed
+        assert set(_alarms(_series("zero", seed))) == {"reward_constant", "zero_advantage"}, seed
+        assert _alarms(_series("zero", seed))["reward_constant"] == 3
+        assert "length_collapse" in _alarms(_series("eos", seed)), seed
+        assert "entropy_collapse" in _alarms(_series("entropy", seed)), seed
+        assert _alarms(_series("explode", seed)).get("grad_norm_jump") == 41, seed
+        assert "length_collapse" in _alarms(_series("short", seed)), seed
+
+
+@pytest.mark.fast
+def test_stop_on_defaults_to_reward_constant_once_enough_completions_agree():
+    """health.stop_on defaults to [reward_constant], the one condition that cannot false-alarm once enough
+    completions in a row scored the same: a config whose completions succeed with probability p = 1 % gives 459
+    failures in a row with probability 0.99^459 = 0.99 % < 1 %. So the stop waits for 459 completions, the line does
+    not: 8 completions a step stop at step 58 (58 x 8 = 464), 256 a step at step 3 (patience)."""
+    from grpo_dist.config import HealthConfig
+    from grpo_dist.health import HealthMonitor
+    assert HealthConfig().stop_on == ["reward_constant"] and HealthConfig().reward_constant_min_completions == 459
+    assert 0.99 ** 459 < 0.01 < 0.99 ** 458
+    for per_step, stop_at in ((8, 58), (256, 3)):
+        mon = HealthMonitor(HealthConfig(), 256, 0.0, completions_per_step=per_step)
+        stops = [mon.update(m, i).stop for i, m in enumerate(_series("zero", 0, steps=60), start=1)]
+        assert stops.index("reward_constant") + 1 == stop_at
