@@ -179,7 +179,7 @@ class MetricsLogger:
     def _append(self, line: str, step) -> None:
         """One whole line or none: a failed write (full disk) is cut back to the last whole line and recorded in
         self.failed (the trainer stops every rank on it, exit 2); a bug propagates as itself."""
-        assert self._jsonl is not None
+        assert self._jsonl is not None and self.path is not None
         data, fd = line.encode(), self._jsonl.fileno()
         before = os.fstat(fd).st_size
         try:
