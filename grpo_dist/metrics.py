@@ -28,7 +28,7 @@ class MetricsWriteError(RuntimeError):
     line was not written and the file ends with the previous whole line. Raised on every rank (exit 2)."""
 
 
-def _cut_partial_tail(path: Path) -> int:
+def cut_partial_tail(path: Path) -> int:
     """Truncate a last line cut short (no newline: a crash or full disk mid-write, before whole-line writes) so
     that appended lines start on a line of their own; returns the bytes removed."""
     size = path.stat().st_size
@@ -88,6 +88,27 @@ def drop_steps_after(path: Path, step: int) -> tuple[list[int], Path | None]:
     return sorted(set(dropped)), copy
 
 
+def append_whole(fd: int, data: bytes, path: Path) -> str | None:
+    """Append data (whole lines) to the file open at fd (O_APPEND), all or nothing: on a failed write (full disk,
+    quota, I/O error) the file is cut back to its size before, and the reason is returned (None: written). A bug
+    (not a write error) propagates as itself."""
+    before = os.fstat(fd).st_size
+    try:
+        done = 0
+        while done < len(data):  # a short write on a filling disk: write the rest, or fail with ENOSPC
+            done += os.write(fd, data[done:])
+    except OSError as e:
+        reason = describe_write_failure(e, path)
+        if reason is None:
+            raise
+        try:
+            os.ftruncate(fd, before)
+        except OSError:
+            pass  # the reader then skips one unparsable line, and the next run cuts it (cut_partial_tail)
+        return reason
+    return None
+
+
 def replay_line(name: str, step: int, dropped: list[int], copy: Path | None) -> str | None:
     """The one line a resume prints when it replays steps the run before had logged (None: none)."""
     if copy is None:
@@ -124,7 +145,7 @@ class MetricsLogger:
                 if line:
                     print(line, flush=True)
             elif path.is_file():
-                _cut_partial_tail(path)  # a half line left by a crash would glue itself to the next one
+                cut_partial_tail(path)  # a half line left by a crash would glue itself to the next one
             # unbuffered, appending: each line is one os.write, and a failed one is cut back (log)
             self._jsonl = open(path, "ab", buffering=0)
         if "tensorboard" in report_to:
@@ -177,23 +198,11 @@ class MetricsLogger:
             sys.stdout.flush()
 
     def _append(self, line: str, step) -> None:
-        """One whole line or none: a failed write (full disk) is cut back to the last whole line and recorded in
-        self.failed (the trainer stops every rank on it, exit 2); a bug propagates as itself."""
+        """One whole line or none: a failed write (full disk) is recorded in self.failed (the trainer stops every
+        rank on it, exit 2); a bug propagates as itself."""
         assert self._jsonl is not None and self.path is not None
-        data, fd = line.encode(), self._jsonl.fileno()
-        before = os.fstat(fd).st_size
-        try:
-            done = 0
-            while done < len(data):  # a short write on a filling disk: write the rest, or fail with ENOSPC
-                done += os.write(fd, data[done:])
-        except OSError as e:
-            reason = describe_write_failure(e, self.path)
-            if reason is None:
-                raise
-            try:
-                os.ftruncate(fd, before)
-            except OSError:
-                pass  # the reader then skips one unparsable line, and a resume cuts it (_cut_partial_tail)
+        reason = append_whole(self._jsonl.fileno(), line.encode(), self.path)
+        if reason:
             self.failed = f"appending the line of step {step} to {self.path} failed: {reason}"
 
     def write(self, text: str) -> None:

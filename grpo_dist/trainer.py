@@ -419,12 +419,13 @@ class GRPOTrainer:
                 health = self._check_health(metrics)
                 watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)  # a failed append (full disk) is kept in logger.failed: stop together
+                failed = self.logger.failed or self.completion_log.failed
                 votes = gdist.all_reduce_sum_named({"stop": float(self._stop_requested),
-                                                    "log_failed": float(self.logger.failed is not None)},
+                                                    "log_failed": float(failed is not None)},
                                                    self.ctx.device)  # every rank agrees to stop
                 if float(votes["log_failed"]):
                     last = ckpt.latest_checkpoint(cfg.output_dir)
-                    raise MetricsWriteError(f"{self.logger.failed or 'rank 0 could not append to metrics.jsonl'}; "
+                    raise MetricsWriteError(f"{failed or 'rank 0 could not append to its logs'}; "
                                             f"the last checkpoint is {last or 'none'}: free space and rerun with "
                                             f"resume_from_checkpoint=auto")
                 stop = bool(float(votes["stop"]))

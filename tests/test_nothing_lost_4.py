@@ -403,3 +403,25 @@ def test_stop_on_defaults_to_reward_constant_once_enough_completions_agree():
         mon = HealthMonitor(HealthConfig(), 256, 0.0, completions_per_step=per_step)
         stops = [mon.update(m, i).stop for i, m in enumerate(_series("zero", 0, steps=60), start=1)]
         assert stops.index("reward_constant") + 1 == stop_at
+
+
+@pytest.mark.fast
+def test_a_failed_completions_append_leaves_whole_rows(tmp_path, monkeypatch):
+    """completions.jsonl as metrics.jsonl: a step's rows in one write, cut back when the disk is full."""
+    import grpo_dist.metrics as metrics
+    from grpo_dist.completions import CompletionLog
+    log = CompletionLog(str(tmp_path), 2, True)
+    args = (["p", "q"], ["a", "b"], ["1", "2"], [1.0, 0.0], {"f": [1.0, 0.0]}, [0.5, -0.5], [3, 4])
+    log.write(1, *args)
+    real = os.write
+
+    def full_disk(fd, data):
+        real(fd, data[:30])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(metrics.os, "write", full_disk)
+    log.write(2, *args)
+    monkeypatch.setattr(metrics.os, "write", real)
+    log.close()
+    path = tmp_path / "completions.jsonl"
+    assert _steps(path) == [1, 1] and path.read_bytes().endswith(b"\n")
+    assert log.failed == f"appending the completions of step 2 to {path} failed: No space left on device ({path})"
