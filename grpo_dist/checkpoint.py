@@ -266,6 +266,24 @@ def _adapter_difference(path: Path, lora_cfg) -> str | None:
     return None
 
 
+def rollout_mode_change(saved_config: dict, rollout_ranks: int, trainers: int, name: str) -> str | None:
+    """The line a resume prints when it changes how rollouts are made (async_rollout.py): a checkpoint of an
+    asynchronous run (rollout_ranks > 0) resumed without rollout ranks goes on colocated, or the other way round.
+    Both resume (the checkpoint is the trainers' state; batches in flight are sampled again), but the run is not
+    the one that wrote it: say so rather than switch silently. trainers: this run's training ranks."""
+    before = int(saved_config.get("rollout_ranks") or 0)
+    if bool(before) == bool(rollout_ranks):
+        return None
+    if before:
+        k = saved_config.get("max_staleness", 0)
+        return (f"[grpo_dist] resume: {name} was written by an asynchronous run (rollout_ranks={before}, "
+                f"max_staleness={k}); this run has no rollout ranks, so it goes on colocated: each of its "
+                f"{trainers} rank(s) samples its own batch with the current policy (set rollout_ranks={before} to "
+                f"go on asynchronously)")
+    return (f"[grpo_dist] resume: {name} was written by a colocated run; this run goes on asynchronously "
+            f"(rollout_ranks={rollout_ranks}): {trainers} rank(s) train, the rollout ranks sample")
+
+
 def read_trainer_state(path: Path) -> dict:
     return json.loads((Path(path) / "trainer_state.json").read_text())
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_dist.metrics import drop_steps_after
+from grpo_dist.metrics import cut_partial_tail, append_whole, drop_steps_after
 
 FILE_NAME = "completions.jsonl"
 
@@ -25,13 +25,17 @@ class CompletionLog:
                  resuming: bool | None = None):
         self.per_step = per_step
         self._file = None
+        self.failed: str | None = None  # why appending failed (full disk): the run stops on it, as for metrics
+        self.path = Path(output_dir) / FILE_NAME
         if not enabled or per_step <= 0:
             return
         path = Path(output_dir) / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        if start_step > 0 if resuming is None else resuming:  # as MetricsLogger
+        if start_step > 0 if resuming is None else resuming:  # as MetricsLogger (its line names metrics.jsonl)
             drop_steps_after(path, start_step)
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        elif path.is_file():
+            cut_partial_tail(path)
+        self._file = open(path, "ab", buffering=0)  # a step's rows in one write, all or none (append_whole)
 
     @property
     def enabled(self) -> bool:
@@ -41,15 +45,19 @@ class CompletionLog:
               rewards: list[float], per_function: dict[str, list[float]], advantages: list[float],
               lengths: list[int]) -> None:
         """Rows 0 .. per_step - 1 of this rank's batch; `prompts` are the rendered prompts of those rows."""
-        if self._file is None:
+        if self._file is None or self.failed is not None:
             return
+        rows = []
         for i in range(min(self.per_step, len(completions))):
             row = {"step": step, "prompt": prompts[i], "completion": completions[i], "reference": references[i],
                    "reward": float(rewards[i]),
                    "rewards": {name: (None if values[i] != values[i] else float(values[i]))  # NaN: n/a
                                for name, values in per_function.items()},
                    "advantage": float(advantages[i]), "completion_tokens": int(lengths[i])}
-            self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
+            rows.append(json.dumps(row, ensure_ascii=False) + "\n")
+        reason = append_whole(self._file.fileno(), "".join(rows).encode("utf-8"), self.path)
+        if reason:
+            self.failed = f"appending the completions of step {step} to {self.path} failed: {reason}"
 
     def close(self) -> None:
         if self._file is not None:

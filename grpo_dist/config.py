@@ -147,8 +147,9 @@ class HealthConfig:
                        "one when it ends; health/<name> (0/1) in the metrics")
     patience: int = _f(3, "steps in a row reward_constant / zero_advantage must hold (one flat step is noise; "
                        "3 is 'stuck', 000 section 12: reward 'constantly 0 or 1')")
-    zero_advantage_max: float = _f(0.9, "zero_advantage fraction above this for patience steps: almost no group "
-                                   "has a learning signal (000 section 11: loss always 0)")
+    zero_advantage_max: float = _f(0.99, "zero_advantage fraction above this for patience steps: almost no group "
+                                   "has a learning signal (000 section 11: loss always 0); a sparse-reward run that "
+                                   "learns can start with 95 % of its groups flat (0.6 % accuracy, groups of 8)")
     truncated_max: float = _f(0.5, "truncated_fraction above this: most answers cut off before they can be graded "
                               "(TRL's 256-token default cut off 97-99%)")
     min_completion_length: float = _f(10.0, "completion_length_mean below this (tokens) is a collapse (000 "
@@ -168,8 +169,14 @@ class HealthConfig:
                        "far from its reference (000: the KL run that collapsed to 0.4%)")
     window: int = _f(20, "steps in the running medians")
     min_history: int = _f(3, "steps of history before the relative (median) checks apply")
-    stop_on: list = _f(factory=list, help="conditions that stop the run (exit 5, after a checkpoint when saving is "
-                       f"configured): any of {', '.join(HEALTH_CONDITIONS)}")
+    stop_on: list = _f(factory=lambda: ["reward_constant"],
+                       help="conditions that stop the run (exit 5, after a checkpoint when saving is configured): any "
+                       f"of {', '.join(HEALTH_CONDITIONS)}; the default is the one that cannot false-alarm on a run "
+                       "that learns (docs/troubleshooting.md#health-monitor); [] never stops")
+    reward_constant_min_completions: int = _f(459, "reward_constant stops the run (stop_on) only once this many "
+                                              "completions in a row scored the same (its line comes after patience "
+                                              "steps): a config whose completions succeed 1 % of the time shows 459 "
+                                              "failures in a row with probability 0.99^459 < 1 %")
 
 
 CURRICULUM_MODES = ("none", "static", "online")
@@ -208,6 +215,10 @@ class GRPOConfig:
                                     "or metrics, deleting them (without it, and without resume_from_checkpoint, "
                                     "such a start is refused)")
     seed: int = _f(42, "seed of data order and sampling (sampling_noise says how)")
+    deterministic: bool = _f(False, "deterministic GPU kernels (grpo_dist/determinism.py): torch's deterministic "
+                             "algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic and not benchmarked, "
+                             "set before any model loads, so that a resumed GPU run can continue bitwise; costs GPU "
+                             "speed (docs/fault-tolerance.md). CPU runs are deterministic either way")
     max_steps: int = _f(100, "optimizer steps (rollout batches) to run")
     save_steps: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_total_limit: Optional[int] = _f(None, "keep only the newest K checkpoints")
@@ -736,6 +747,9 @@ def _number_problems(cfg) -> list[str]:
     if math.isfinite(value("reward_timeout_s")) and value("reward_timeout_s") > MAX_REWARD_TIMEOUT_S:
         bad.append(f"config key 'reward_timeout_s' must be at most {MAX_REWARD_TIMEOUT_S:g} (a day per completion), "
                    f"got {value('reward_timeout_s'):g}")
+    if not 0 <= value("data.max_truncated_prompt_fraction") <= 1:
+        bad.append(f"config key 'data.max_truncated_prompt_fraction' must be in [0, 1], got "
+                   f"{value('data.max_truncated_prompt_fraction')}")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= value(key) < 1:
             bad.append(f"config key '{key}' must be in [0, 1), got {value(key)}")

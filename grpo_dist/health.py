@@ -72,13 +72,21 @@ def _num(m: dict, key: str) -> float | None:
 class HealthMonitor:
     """Conditions on a sequence of step metrics; cfg is a config.HealthConfig, max_completion_length the cap."""
 
-    def __init__(self, cfg, max_completion_length: int, beta: float = 0.0):
+    def __init__(self, cfg, max_completion_length: int, beta: float = 0.0, completions_per_step: int | None = None,
+                 grad_norm_per_signal: bool = True):
+        """completions_per_step: of the whole step (all ranks), for reward_constant's stop (None: patience only);
+        grad_norm_per_signal: the gradient norm scales with the fraction of groups whose rewards differ (flat groups
+        add zero gradient but count in the loss's normaliser), so grad_norm_jump compares norm / that fraction;
+        false with skip_zero_advantage_groups, whose normaliser leaves the flat groups out."""
         self.cfg = cfg
         self.max_completion_length = max_completion_length
         self.beta = beta
+        self.completions_per_step = completions_per_step
+        self.grad_norm_per_signal = grad_norm_per_signal
         self.active: dict[str, int] = {}  # name -> the step it started
         self._run: dict[str, int] = {}  # consecutive steps a patience condition held
-        self._hist: dict[str, list[float]] = {"completion_length_mean": [], "entropy": [], "grad_norm": []}
+        self._hist: dict[str, list[float]] = {"completion_length_mean": [], "entropy": [], "grad_norm": [],
+                                              "reward_mean": []}
         self._skipped: int | None = None
         self._grad_median = 0.0
         self._start: dict[str, float] = {}  # median of the first min_history steps: where the run started
@@ -92,6 +100,19 @@ class HealthMonitor:
     def _median(self, key: str) -> float | None:
         h = self._hist[key][-self.cfg.window:]
         return statistics.median(h) if len(h) >= self.cfg.min_history else None
+
+    def _reward_gain(self, m: dict) -> bool:
+        """Whether the run is learning by its reward: the mean of the last min_history rewards (this step's
+        included) is above the run's start by a quarter (and 0.01), and not half under its running median. While it
+        is, a falling length or entropy is the policy sharpening (a base model that stops rambling, an instruct
+        model growing sure of its answer line), not a collapse: those conditions then hold their alarm."""
+        r = _num(m, "reward_mean")
+        start, med = self._start.get("reward_mean"), self._median("reward_mean")
+        if r is None or start is None or med is None:
+            return False
+        recent = self._hist["reward_mean"][-(self.cfg.min_history - 1):] + [r]
+        now = sum(recent) / len(recent)
+        return now > start + 0.25 * abs(start) + 0.01 and now >= med - 0.5 * abs(med)
 
     def _persist(self, name: str, now: bool) -> bool:
         """A condition that must hold patience steps in a row."""
@@ -109,19 +130,20 @@ class HealthMonitor:
                                             m.get("zero_advantage_fraction", 0.0) > c.zero_advantage_max),
             "truncated": m.get("truncated_fraction", 0.0) > c.truncated_max,
         }
+        gain = self._reward_gain(m)  # a learning run: falls in length and entropy are sharpening
         length, med = _num(m, "completion_length_mean"), self._median("completion_length_mean")
         # below the floor counts where the cap leaves room for 4x the floor (a cap of 8 keeps answers short) and the
-        # run started above it
+        # run started above it: only EOS is a collapse whatever the reward says
         floor = c.min_completion_length if self.max_completion_length >= 4 * c.min_completion_length and \
             self._started_above("completion_length_mean", c.min_completion_length) else 0.0
-        out["length_collapse"] = length is not None and (length < floor or
-                                                         (med is not None and length * c.length_fall_factor < med))
+        out["length_collapse"] = length is not None and (length < floor or (
+            not gain and med is not None and length * c.length_fall_factor < med))
         ent, med = _num(m, "entropy"), self._median("entropy")
         trained = m.get("trained_tokens", 1.0) > 0  # no trained token: entropy reads 0 and means nothing
-        out["entropy_collapse"] = ent is not None and trained and (
+        out["entropy_collapse"] = ent is not None and trained and not gain and (
             (ent < c.entropy_min and self._started_above("entropy", c.entropy_min)) or
             (med is not None and ent * c.entropy_fall_factor < med))
-        gn, med = _num(m, "grad_norm"), self._median("grad_norm")
+        gn, med = self._grad_signal(m), self._median("grad_norm")
         self._grad_median = med or 0.0
         out["grad_norm_jump"] = gn is not None and med is not None and med > 0 and gn > c.grad_norm_jump_factor * med
         kl = _num(m, "kl")
@@ -132,14 +154,39 @@ class HealthMonitor:
         keys = ("reward_mean", "loss", "grad_norm", "kl", "entropy")
         out["nonfinite"] = rose or any(k in m and not _finite(m[k]) for k in keys)
         for key in self._hist:
-            if _finite(m.get(key)) and not (key == "grad_norm" and m[key] == 0.0) and \
+            value = self._grad_signal(m) if key == "grad_norm" else _num(m, key)
+            if value is not None and not (key == "grad_norm" and value == 0.0) and \
                     not (key == "entropy" and not trained):
                 h = self._hist[key]
-                h.append(float(m[key]))
+                h.append(value)
                 if len(h) == c.min_history and key not in self._start:
                     self._start[key] = statistics.median(h)
                 del h[:-max(c.window, c.min_history)]  # bounded: the medians read the last window steps
         return out
+
+    def _grad_signal(self, m: dict) -> float | None:
+        """The gradient norm per unit of learning signal (grad_norm_per_signal): grad_norm / the fraction of groups
+        whose rewards differ. A run whose rewards get less sparse (groups flat 95 % -> 43 %) sees its grad norm rise
+        ~10x (0.03 -> 0.32) with nothing unstable: this ratio stays level, a real blow-up still jumps."""
+        gn = _num(m, "grad_norm")
+        if gn is None or not self.grad_norm_per_signal:
+            return gn
+        signal = 1.0 - float(_num(m, "zero_advantage_fraction") or 0.0)
+        return gn / signal if signal > 0 else None  # no group with a signal: a zero-advantage step, no gradient
+
+    def _stop(self) -> str | None:
+        """The first active stop_on condition; reward_constant only once reward_constant_min_completions
+        completions in a row scored the same (a rare success is then unlikely to have been missed: 1 % per
+        completion gives 459 failures in a row with probability 0.99^459 < 1 %)."""
+        for name in self.cfg.stop_on:
+            if name not in self.active:
+                continue
+            if name == "reward_constant" and self.completions_per_step:
+                held = self._run.get("reward_constant", 0)
+                if held * self.completions_per_step < self.cfg.reward_constant_min_completions:
+                    continue
+            return name
+        return None
 
     def update(self, m: dict, step: int, skipped: tuple[str, str] | None = None) -> Verdict:
         """This step's verdict; m is the step's all-reduced metrics dict (identical on every rank). `skipped`: the
@@ -162,7 +209,7 @@ class HealthMonitor:
                 start = self.active.pop(name)
                 lines.append(f"[grpo_dist] health: {name} ended at step {step} (held {step - start} step(s) from step "
                              f"{start})")
-        stop = next((n for n in self.cfg.stop_on if n in self.active), None)
+        stop = self._stop()
         self.history = self.history[-(HISTORY - 1):] + [{**m, **flags}]
         return Verdict(flags, lines, stop)
 
@@ -183,7 +230,10 @@ class HealthMonitor:
                                f"{c.min_completion_length} or {c.length_fall_factor:g}x under its running median",
             "entropy_collapse": f"entropy={g('entropy')}, below {c.entropy_min} or {c.entropy_fall_factor:g}x "
                                 f"under its running median",
-            "grad_norm_jump": f"grad_norm={g('grad_norm')} > {c.grad_norm_jump_factor:g}x its running median "
+            "grad_norm_jump": f"grad_norm={g('grad_norm')}, per fraction of groups with a signal "
+                              f"{self._grad_signal(m) or 0.0:.4g} > {c.grad_norm_jump_factor:g}x its running median "
+                              f"{self._grad_median:.4g}" if self.grad_norm_per_signal else
+                              f"grad_norm={g('grad_norm')} > {c.grad_norm_jump_factor:g}x its running median "
                               f"{self._grad_median:.4g}",
             "kl_high": f"kl={g('kl')} > {c.kl_max}",
             "nonfinite": f"skipped_steps={g('skipped_steps')}, loss={g('loss')}, grad_norm={g('grad_norm')}",

@@ -17,7 +17,9 @@ from pathlib import Path
 from grpo_dist.config import ConfigError, context_problems
 
 # What a previous run leaves in output_dir (metrics.py, checkpoint.py): a fresh run there needs consent.
-RUN_OUTPUTS = ("checkpoint-*", ".tmp-checkpoint-*", "best", ".old-best", "metrics.jsonl", "tensorboard")
+# metrics.jsonl.N, completions.jsonl.N: the rows a resume replaced, kept (metrics.drop_steps_after)
+RUN_OUTPUTS = ("checkpoint-*", ".tmp-checkpoint-*", "best", ".old-best", "metrics.jsonl", "tensorboard",
+               "metrics.jsonl.*", "completions.jsonl.*")
 # "name" or "org/name": what from_pretrained may look up on the Hugging Face Hub
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -107,7 +109,8 @@ def clear_failed_start(out: Path, found: list[str]) -> bool:
     True. False when output_dir holds a completed step (a line in metrics.jsonl or completions.jsonl) or a
     checkpoint, finished or not. A tensorboard folder with no metrics.jsonl beside it counts as a run (its events
     are not read here)."""
-    if any(name.startswith(("checkpoint-", ".tmp-checkpoint-", "best", ".old-best")) for name in found):
+    if any(name.startswith(("checkpoint-", ".tmp-checkpoint-", "best", ".old-best", "metrics.jsonl.",
+                            "completions.jsonl.")) for name in found):
         return False
     logs = [out / "metrics.jsonl", out / "completions.jsonl"]
     if any(q.is_file() and q.read_text(errors="replace").strip() for q in logs):

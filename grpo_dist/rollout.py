@@ -36,6 +36,9 @@ class RolloutBatch:
     sampler_logprobs: torch.Tensor | None = None
     # rows the decoder computed, summed over its steps (tokens/processed_decode); None: not counted (vLLM)
     decode_row_steps: int | None = None
+    # prompts of this batch (each once, not per completion) longer than max_prompt_length tokens: their beginning
+    # was cut (the prompts_truncated metric)
+    prompts_truncated: int = 0
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -48,7 +51,8 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                             self.completion_mask.to(device), self.num_generations, self.completions,
                             self.references,
-                            None if self.sampler_logprobs is None else self.sampler_logprobs.to(device))
+                            None if self.sampler_logprobs is None else self.sampler_logprobs.to(device),
+                            prompts_truncated=self.prompts_truncated)
 
     def rows(self, index: list[int]) -> RolloutBatch:
         """A sub-batch, trimmed to the columns its rows use (less padding in every forward pass)."""

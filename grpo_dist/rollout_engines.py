@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from grpo_dist.config import ConfigError
-from grpo_dist.data.prompts import RenderedPrompt
+from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
 from grpo_dist.sampling_noise import row_noise
 from grpo_dist.vllm_plan import ModelShape, VLLMPlan, cpu_kv_cache_gib, plan, read_model_shape
@@ -430,7 +430,8 @@ def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | Ren
     """Tokenize (data.render_prompt's prompts: row text as text; every engine, vLLM included, gets token ids),
     generate with `engine`, and lay the rows out as a RolloutBatch (left-padded prompts repeated n
     times, right-padded completions, EOS included in the mask, the sampler's log-probs, decoded texts)."""
-    prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length)
+    full = encode_prompts(tokenizer, prompts)
+    prompt_ids = [ids[max(0, len(ids) - max_prompt_length):] for ids in full]  # as prompt_token_ids: from the left
     gens = engine.generate(prompt_ids, sampling)
     n, pad = sampling.n, tokenizer.pad_token_id
     ids, mask = left_pad(prompt_ids, pad, "cpu")
@@ -447,6 +448,7 @@ def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | Ren
     refs = [r for r in references for _ in range(n)]
     batch = RolloutBatch(ids, mask, completion_ids, completion_mask, n, texts, refs, logprobs).to(device)
     batch.decode_row_steps = gens.decode_row_steps
+    batch.prompts_truncated = sum(len(ids) > max_prompt_length for ids in full)  # one per prompt, not per token
     return batch
 
 

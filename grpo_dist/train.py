@@ -13,6 +13,8 @@ Also runs as a plain single process (`python -m grpo_dist.train ...`). Exit code
       phase; grpo_dist/watchdog.py; resume with resume_from_checkpoint=auto)
   5   cannot learn: a health condition named in health.stop_on held (grpo_dist/health.py; a checkpoint is written
       first when saving is configured), or the --dry-run verdict was "cannot learn" (grpo_dist/dry_run.py)
+  6   the --dry-run verdict was "cannot tell yet": every completion of the rehearsal scored 0 (or 1), too few to
+      tell a rare success from none (grpo_dist/dry_run.py has the formula)
   75  stopped by SIGTERM/SIGUSR1 (or because torchrun died), or by a first Ctrl-C during training, after writing a
       checkpoint (requeue and resume with resume_from_checkpoint=auto)
   130 aborted by a second Ctrl-C (or a Ctrl-C before training started), without a checkpoint
@@ -60,6 +62,9 @@ def main(argv=None) -> int:
         print(f"grpo_dist: config error: {e}", file=sys.stderr)
         return _report(2)
 
+    from grpo_dist import determinism
+    determinism.apply(cfg.deterministic)  # before any CUDA kernel: cuBLAS reads its workspace setting once
+
     from transformers.utils import logging as hf_logging
 
     from grpo_dist import distributed as gdist
@@ -68,6 +73,7 @@ def main(argv=None) -> int:
     from grpo_dist.advice import start_warnings
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
+    from grpo_dist.metrics import MetricsWriteError
     from grpo_dist.runlock import stop_when_parent_dies
     from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError, RewardFunctionError
 
@@ -96,12 +102,13 @@ def main(argv=None) -> int:
         code = trainer.train()
         if rehearsal is not None:
             code = rehearsal.finish(code)
-        elif ctx.is_main and code == 0:
+        elif ctx.is_main and code == 0 and not trainer.was_finished:
             print(f"[grpo_dist] done: step {trainer.step}; outputs in {Path(cfg.output_dir).resolve()} "
                   f"(config.yaml, metrics.jsonl, checkpoint-*/)", flush=True)
-    except (ConfigError, DataError, CheckpointError, RewardFunctionError) as e:
+    except (ConfigError, DataError, CheckpointError, RewardFunctionError, MetricsWriteError) as e:
         # these are raised on every rank from one shared verdict: printed once, by rank 0
-        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError)):
+        if ctx.is_main or not isinstance(e, (preflight.AgreedError, CheckpointError, RewardFunctionError,
+                                             MetricsWriteError)):
             kind = "ConfigError" if isinstance(e, preflight.AgreedError) else type(e).__name__
             print(f"grpo_dist: rank {ctx.rank}: {kind}: {e}", file=sys.stderr)
         code = 2

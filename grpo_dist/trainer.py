@@ -41,14 +41,15 @@ from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
-from grpo_dist.data import DataError, PromptSampler, load_examples, render_prompt, truncate_long_prompts
+from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, render_prompt,
+                            truncate_long_prompts)
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
-from grpo_dist.metrics import MetricsLogger
+from grpo_dist.metrics import MetricsLogger, MetricsWriteError
 from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
 from grpo_dist.prompt_sharing import group_order, prompt_groups
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
@@ -120,6 +121,7 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
+        self._check_prompt_lengths()  # prompts that lose their beginning: one warning, or refused (before models)
         self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
         # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
@@ -162,6 +164,7 @@ class GRPOTrainer:
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
         self.resumed_from: Path | None = None
+        self.was_finished = False  # resumed at max_steps: nothing to train (nothing_to_do)
         self._stop_requested = False
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
@@ -173,6 +176,7 @@ class GRPOTrainer:
                                                    num_params=num_params, synced=True) \
             if local_rollouts else RolloutsElsewhere()
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
+        self._prompts_cut = 0  # this step's prompts longer than max_prompt_length (all rollout rounds)
         if rng is not None:
             ckpt.set_rng_state(rng)
         self.weight_sync_s = 0.0
@@ -183,7 +187,9 @@ class GRPOTrainer:
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
         self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
-        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta)  # on all-reduced metrics only
+        self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta,  # on all-reduced metrics only
+                                    completions_per_step=cfg.prompts_per_rank * ctx.world_size * cfg.num_generations,
+                                    grad_norm_per_signal=not cfg.skip_zero_advantage_groups)
         self.on_graded = None  # optional callback(batch, rewards) after each step's grading (grpo_dist/dry_run.py)
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._skip_note: tuple[str, str] | None = None  # (what, advice) of this step's skip, for the health line
@@ -247,6 +253,19 @@ class GRPOTrainer:
         if self.ctx.is_main:
             print(f"[grpo_dist] loading {what} {name} ... done in {time.perf_counter() - t0:.1f} s", flush=True)
         return model
+
+    def _check_prompt_lengths(self) -> None:
+        """Rank 0 counts the training prompts that rollouts would cut (data.prompt_length_check), every rank gets
+        its verdict: above data.max_truncated_prompt_fraction the run stops (DataError, exit 2), else one warning."""
+        warning, error = None, None
+        if self.ctx.is_main:
+            warning, error = prompt_length_check(self.train_examples, self.cfg.data, self.tokenizer)
+            if warning:
+                print(f"[grpo_dist] {warning}", flush=True)
+        error = gdist.broadcast_object(error)
+        if error:
+            self.rewards.close()
+            raise DataError(error)
 
     def _untie_replica(self, names: list[str]) -> None:
         """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
@@ -322,6 +341,10 @@ class GRPOTrainer:
         self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
         if self.ctx.is_main:
             self._log_config_changes(saved.get("config") or {}, path)
+            change = ckpt.rollout_mode_change(saved.get("config") or {}, self.cfg.rollout_ranks,
+                                              self.ctx.world_size, Path(path).name)
+            if change:
+                print(change, flush=True)
         self.sampler.load_state_dict(state["sampler"])
         if self.curriculum is not None:  # a checkpoint without statistics was refused by _resolve_resume
             self.curriculum.load_state_dict(state["curriculum"])
@@ -378,7 +401,9 @@ class GRPOTrainer:
     def _train_loop(self) -> int:
         cfg = self.cfg
         exit_code = 0
-        if self.ctx.is_main and not cfg.dry_run:  # a dry run prints the table of the run as configured
+        # a resumed run that is finished already trains nothing (the loop below never runs) and says so; a dry run
+        # prints the table of the run as configured
+        if not self.nothing_to_do() and self.ctx.is_main and not cfg.dry_run:
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
@@ -389,8 +414,17 @@ class GRPOTrainer:
                 self._evaluate_if_due(metrics)
                 health = self._check_health(metrics)
                 watchdog.set_phase("stop-vote")
-                self.logger.log(metrics)
-                stop = gdist.any_rank(self._stop_requested, self.ctx.device)  # every rank agrees to stop
+                self.logger.log(metrics)  # a failed append (full disk) is kept in logger.failed: stop together
+                failed = self.logger.failed or self.completion_log.failed
+                votes = gdist.all_reduce_sum_named({"stop": float(self._stop_requested),
+                                                    "log_failed": float(failed is not None)},
+                                                   self.ctx.device)  # every rank agrees to stop
+                if float(votes["log_failed"]):
+                    last = ckpt.latest_checkpoint(cfg.output_dir)
+                    raise MetricsWriteError(f"{failed or 'rank 0 could not append to its logs'}; "
+                                            f"the last checkpoint is {last or 'none'}: free space and rerun with "
+                                            f"resume_from_checkpoint=auto")
+                stop = bool(float(votes["stop"]))
                 saved = self._save_if_due(stop, bool(health.stop))
                 if cfg.save_best and cfg.save_best in metrics:
                     watchdog.set_phase("save")
@@ -410,6 +444,16 @@ class GRPOTrainer:
             self.rewards.close()
             self.close()
         return exit_code
+
+    def nothing_to_do(self) -> bool:
+        """A resumed run whose checkpoint is at max_steps already: say so in one line (rank 0), train nothing."""
+        if self.resumed_from is None or self.step < self.cfg.max_steps:
+            return False
+        self.was_finished = True
+        if self.ctx.is_main:
+            print(f"[grpo_dist] nothing to do: {self.resumed_from} is at step {self.step} and max_steps is "
+                  f"{self.cfg.max_steps}, so the run is finished; raise max_steps to train further", flush=True)
+        return True
 
     def _evaluate_if_due(self, metrics: dict) -> None:
         from grpo_dist.evaluation import due_tiers
@@ -465,6 +509,7 @@ class GRPOTrainer:
         timer, t0 = Timer(), time.perf_counter()
         watchdog.set_phase("rollout", self.step + 1)
         self._decode_tokens = [0, 0]
+        self._prompts_cut = 0
         if self.cfg.dynamic_sampling:
             batch, rewards, per_function, sampling = self._dynamic_sample(timer)
         else:
@@ -501,6 +546,7 @@ class GRPOTrainer:
             with timer("rollout"):
                 batch, rewards, per_function, self.rewards.last_errors, decode = self.async_rollouts.receive(self)
             self._decode_tokens = list(decode)
+            self._prompts_cut += batch.prompts_truncated
             self._last_reward_errors = self._reward_errors(len(rewards))
             return batch, rewards, per_function
         with timer("rollout"):
@@ -598,6 +644,7 @@ class GRPOTrainer:
         batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, answers,
                                self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
                                cfg.data.max_prompt_length, self.ctx.device)
+        self._prompts_cut += batch.prompts_truncated
         if batch.decode_row_steps is not None:
             self._decode_tokens[0] += batch.decode_row_steps
             self._decode_tokens[1] += int(batch.completion_mask.sum())
@@ -997,6 +1044,7 @@ class GRPOTrainer:
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
+            "prompts_truncated": float(self._prompts_cut),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
             **{f"tokens/{k}_{name}": getattr(t, k) for name, t in self._tokens.items()
                for k in ("processed", "useful", "shared")}}, dev)
@@ -1013,6 +1061,7 @@ class GRPOTrainer:
             "completion_length_max": float(mx[0]),
             "truncated_fraction": float(s["truncated"] / n),
             "prompt_length_mean": float(s["prompt_tokens"] / n),  # with completion_length_mean: the length ratio
+            "prompts_truncated": int(s["prompts_truncated"]),  # prompts (all ranks) cut to max_prompt_length tokens
             "zero_advantage_fraction": float(s["flat_groups"] / s["groups"]),
             "loss": float(s["loss"]),
             "policy_loss": float(s["pg"] / tok),

@@ -2,6 +2,10 @@
 
 import json
 import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +191,34 @@ def async_rank(overrides, out_dir):
         if not roles.is_trainer:
             return None, serve(cfg, roles, ctx)
     return GRPOTrainer(cfg, ctx), None
+
+
+# ---------------------------------------------------------- a real full disk: a small tmpfs (root only; CI is root)
+@contextmanager
+def tmpfs(where: Path, size: str):
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                           text=True)
+        problem = (r.stderr or r.stdout).strip() if r.returncode else None
+    except OSError as e:  # no mount command at all
+        problem = str(e)
+    if problem is not None:
+        why = f"cannot mount a tmpfs: {problem}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (CI runs as root and must run the full-disk tests)")
+        pytest.skip(f"{why} (needs root; CI runs these)")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(where: Path, leave: int) -> Path:
+    """A file taking all the free space of where's filesystem but `leave` bytes."""
+    filler = where / "filler"
+    n = shutil.disk_usage(where).free - leave
+    with open(filler, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, n)
+    return filler

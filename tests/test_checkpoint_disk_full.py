@@ -7,13 +7,13 @@ removed and the earlier checkpoints are untouched. The tiny smoke model: model.s
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from helpers import fill, tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml", "progress_bar=false", "reward_workers=0",
@@ -22,36 +22,6 @@ TINY = ["model.tiny={architecture: qwen2, hidden_size: 64, num_hidden_layers: 2,
         "num_key_value_heads: 2, intermediate_size: 128, tokenizer: char}",
         "data.limit=8", "prompts_per_rank=2", "num_generations=2", "max_completion_length=4", "reward_workers=0",
         "beta=0", "progress_bar=false", "report_to=[]", "log_completions=0"]
-
-
-@contextmanager
-def tmpfs(where: Path, size: str):
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
-                           text=True)
-        problem = (r.stderr or r.stdout).strip() if r.returncode else None
-    except OSError as e:  # no mount command at all
-        problem = str(e)
-    if problem is not None:
-        why = f"cannot mount a tmpfs: {problem}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{why} (CI runs as root and must run the full-disk tests)")
-        pytest.skip(f"{why} (needs root; CI runs these)")
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-def fill(where: Path, leave: int) -> Path:
-    """A file taking all the free space of where's filesystem but `leave` bytes."""
-    filler = where / "filler"
-    n = shutil.disk_usage(where).free - leave
-    with open(filler, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, n)
-    return filler
 
 
 def digest(folder: Path) -> dict:

@@ -28,7 +28,12 @@ class DataConfig:
     prompt_template: str = _f("{prompt}", "template with {prompt}; used when use_chat_template is false")
     use_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
     system_prompt: Optional[str] = _f(None, "system message for the chat template")
-    max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left")
+    max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left (counted "
+                                "per step as prompts_truncated; see max_truncated_prompt_fraction)")
+    max_truncated_prompt_fraction: float = _f(0.05, "refuse to start (exit 2) when more than this fraction of the "
+                                              "training prompts is longer than max_prompt_length tokens, so would "
+                                              "lose its beginning while its reference answer stays; up to it, one "
+                                              "warning at start. In [0, 1]: 0 refuses any cut, 1 never refuses")
     limit: Optional[int] = _f(None, "use only the first N rows (after loading, before shuffling)")
     eval_path: Optional[str] = _f(None, "held-out prompts for periodic evaluation (same fields)")
     eval_limit: Optional[int] = _f(64, "the light evaluation tier: the first N held-out prompts, evaluated every "

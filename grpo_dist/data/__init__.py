@@ -18,10 +18,11 @@ from grpo_dist.data.examples import DataError, PromptExample
 from grpo_dist.data.files import extract_reference
 from grpo_dist.data.loading import data_config_problems, load_examples
 from grpo_dist.data.presets import data_dir, resolve_data_config
-from grpo_dist.data.prompts import (CHARS_PER_TOKEN_BOUND, RenderedPrompt, encode_prompts, render_prompt,
-                                    truncate_long_prompts)
+from grpo_dist.data.prompts import (CHARS_PER_TOKEN_BOUND, RenderedPrompt, encode_prompts, prompt_length_check,
+                                    render_prompt, truncate_long_prompts)
 from grpo_dist.data.sampler import PromptSampler
 
 __all__ = ["CHARS_PER_TOKEN_BOUND", "DataError", "PromptExample", "PromptSampler", "RenderedPrompt",
            "data_config_problems", "data_dir", "encode_prompts", "extract_reference", "load_examples",
-           "render_prompt", "resolve_data_config", "synthetic_arithmetic", "truncate_long_prompts"]
+           "prompt_length_check", "render_prompt", "resolve_data_config", "synthetic_arithmetic",
+           "truncate_long_prompts"]
