@@ -449,7 +449,9 @@ def test_static_order_on_math_levels_opens_the_easiest_first_and_reaches_every_l
         pytest.skip("needs $GRPO_DIST_DATA_DIR with the MATH files (math500/, math_test5000/)")
     s, pacing, per_step = 0.05, 6, 32
     tr = in_process(lambda: _trainer(MATH_DATA[data](root) + [
-        f"output_dir={tmp_path}", "data.limit=null", f"prompts_per_rank={per_step}", "curriculum.mode=static",
+        # the tiny model's character tokenizer makes 5 % of MATH's problems longer than 512 tokens: not what is tested
+        f"output_dir={tmp_path}", "data.limit=null", "data.max_truncated_prompt_fraction=1",
+        f"prompts_per_rank={per_step}", "curriculum.mode=static",
         "curriculum.difficulty_field=level", f"curriculum.start_fraction={s}", f"curriculum.pacing_steps={pacing}"]))
     level = difficulties(tr.train_examples, "level")  # 1..5 from 1 / 'Level 1'
     n = len(level)
