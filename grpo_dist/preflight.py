@@ -62,7 +62,7 @@ def run(cfg, ctx):
 
 def check_cuda_graphs(cfg, device) -> None:
     """CUDA graphs capture CUDA kernels: on any other device lean_cuda_graphs cannot do anything."""
-    if cfg.lean_cuda_graphs and getattr(device, "type", str(device)) != "cuda":
+    if cfg.lean_cuda_graphs is True and getattr(device, "type", str(device)) != "cuda":
         raise ConfigError(f"config key 'lean_cuda_graphs' = true needs a CUDA device, and this run's device is "
                           f"{device}; set lean_cuda_graphs=false")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo_dist.config import ConfigError
+from grpo_dist.config import ConfigError, lean_cuda_graphs_on
 from grpo_dist.data.prompts import RenderedPrompt
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
 from grpo_dist.sampling_noise import row_noise
@@ -461,7 +461,7 @@ def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
                                     cfg.generation_batch_size, cfg.decode_compaction_threshold,
-                                    cfg.lean_cuda_graphs)
+                                    lean_cuda_graphs_on(cfg, next(replica.parameters()).device))
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
                              vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied,
                              rows=rows or cfg.prompts_per_rank * cfg.num_generations, num_params=num_params,
