@@ -268,6 +268,8 @@ class GRPOConfig:
                                             "device) | false | auto (on where the device is CUDA and the engine "
                                             "lean, off elsewhere). Default false until a GPU run measures graphs "
                                             "correct and faster (docs/decoding.md)")
+    lean_compile: bool = _f(False, "rollout_engine=lean on CUDA: torch.compile the decode step (with or without "
+                            "lean_cuda_graphs); not measured yet (docs/decoding.md), needs a CUDA device")
     sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
                              "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
                              "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
@@ -542,7 +544,9 @@ class GRPOConfig:
             bad.append(f"config key 'lean_cuda_graphs' must be true, false or auto, got {short(self.lean_cuda_graphs)}")
         elif self.lean_cuda_graphs is True and self.rollout_engine != "lean":
             bad.append(f"config key 'lean_cuda_graphs' = true needs rollout_engine=lean, got {self.rollout_engine}")
-        return bad  # (lean_cuda_graphs=true on a machine without CUDA: preflight.check_cuda_graphs)
+        if self.lean_compile and self.rollout_engine != "lean":
+            bad.append(f"config key 'lean_compile' = true needs rollout_engine=lean, got {self.rollout_engine}")
+        return bad  # (lean_cuda_graphs / lean_compile = true on a machine without CUDA: preflight.check_cuda_graphs)
 
     def _rollout_engine_problems(self) -> list[str]:
         bad: list[str] = []

@@ -157,11 +157,14 @@ class LeanDecoder:
     """prefill(ids, mask, repeats, max_new_tokens) once, then step(tokens) per token; each returns next-token logits
     [rows, vocab]. Built per rollout from the model's current weights (views, no copies)."""
 
-    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True):
+    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True, compile_step: bool = False):
         config, inner = model.config, model.model
         # decode steps replayed from CUDA graphs, one per decode batch size (CUDAGraphSteps; config lean_cuda_graphs);
         # capture=False runs the same static steps without graphs (what the CPU tests check)
-        self.graphs = CUDAGraphSteps(self, capture) if cuda_graphs else None
+        self.graphs = CUDAGraphSteps(self, capture and cuda_graphs) if cuda_graphs or compile_step else None
+        if compile_step:  # config lean_compile: torch.compile of the static step (its cache column is a tensor, so
+            # steps do not recompile; each decode batch size and attention width does, as each gets its own graph)
+            self.static_step = torch.compile(self.static_step, dynamic=False)  # type: ignore[method-assign]
         unfused: list[Any] = [None] * len(inner.layers)
         fused: list[Any] = fused_projections(model) or unfused
         first = inner.layers[0].self_attn

@@ -96,7 +96,7 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
     model.eval()  # no dropout while generating
     return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size,
                                 cfg.decode_compaction_threshold,
-                                lean_cuda_graphs_on(cfg, next(model.parameters()).device))
+                                lean_cuda_graphs_on(cfg, next(model.parameters()).device), cfg.lean_compile)
 
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,

@@ -192,12 +192,13 @@ class HFDecoder:
         self.full_mask, self.next_pos = self.full_mask[keep], self.next_pos[keep]
 
 
-def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False):
+def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False, compile_step: bool = False):
     """LeanDecoder where it covers the model (bench/generation.py: the transformers forward spends most of a decode
     step outside the model's arithmetic), else the transformers forward. cuda_graphs: LeanDecoder replays its
-    decode steps from CUDA graphs (config lean_cuda_graphs)."""
+    decode steps from CUDA graphs (config lean_cuda_graphs); compile_step: torch.compile of its step
+    (lean_compile)."""
     if lean and lean_decoder_unsupported(model, total_length) is None:
-        return LeanDecoder(model, cuda_graphs)
+        return LeanDecoder(model, cuda_graphs, compile_step=compile_step)
     return HFDecoder(model)
 
 
