@@ -2,7 +2,8 @@
 
 Without it the sampling loop (rollout._sample_loop) keeps every row in every decode step until the longest row
 ends: with long-tailed completion lengths it computes rows x longest row-steps for the tokens actually generated.
-With it, once the finished fraction of the rows still in the decode batch reaches the threshold, the decoder keeps
+With it, once the finished fraction of the rows still in the decode batch reaches the threshold (the host looks
+every rollout.STOP_CHECK_EVERY steps), the decoder keeps
 only the unfinished rows: its KV cache, positions and masks (LeanDecoder.compact, HFDecoder.compact) and the loop's
 per-row state (row map, done flags, sampling noise) are indexed down to them.
 
