@@ -282,8 +282,11 @@ def cmd_meta(a) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ decode
-# (name, overrides of QWEN05, row counts). 7B: Qwen2.5-7B's shape (28 layers, hidden 3584, 4 kv heads).
+# (name, overrides of QWEN05, row counts). 1.5B: Qwen2.5-1.5B's shape (28 layers, hidden 1536, 2 kv heads); 7B:
+# Qwen2.5-7B's (28 layers, hidden 3584, 4 kv heads).
 DECODE_SHAPES = [("0.5b", {}, (64, 256)),
+                 ("1.5b", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                               intermediate_size=8960), (64,)),
                  ("7b", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False), (32, 128))]
 DECODE_LENGTHS = dict(prompt=200, new=260, warmup=50, timed=200)
@@ -300,13 +303,37 @@ def decode_floor_ms(weight_bytes: int, kv_bytes: float, gb_per_s: float) -> tupl
     return weight_bytes / (gb_per_s * 1e9) * 1e3, (weight_bytes + kv_bytes) / (gb_per_s * 1e9) * 1e3
 
 
+def _decode_run(model, B: int, mode: str, dev) -> tuple[float, list[torch.Tensor]]:
+    """ms per decode step of one decoder mode (eager | graphs; graphs are captured in the warm-up steps) and the
+    logits of the first warm-up steps, each step fed the previous step's greedy token."""
+    from grpo_dist.decoder import LeanDecoder
+    L = DECODE_LENGTHS
+    dec = LeanDecoder(model, cuda_graphs=mode == "graphs", capture=CUDA)  # CPU smoke: the static step, uncaptured
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(9, min(500, model.config.vocab_size), (B, L["prompt"]), generator=g).to(dev)
+    first = []
+    with torch.inference_mode():
+        logits = dec.prefill(x, torch.ones_like(x), None, L["new"])
+        for i in range(L["warmup"] + L["timed"]):
+            if i == L["warmup"]:
+                sync()
+                t0 = time.perf_counter()
+            y = logits.argmax(-1)
+            logits = dec.step(y)
+            if i < 8:
+                first.append(logits.float().cpu())
+        sync()
+    return (time.perf_counter() - t0) / L["timed"] * 1e3, first
+
+
 def cmd_decode(a) -> None:
-    """ms per decode step of the lean decoder (decoder.LeanDecoder: prefill, then step per token) on random bf16
-    weights, against the weight-bandwidth floor (a decode step reads every weight once). A step far above the floor
-    at small row counts is launch-bound (host time per kernel), not bandwidth-bound."""
+    """ms per decode step of the lean decoder (decoder.LeanDecoder: prefill, then step per token, greedy) on random
+    bf16 weights, eager and from CUDA graphs (lean_cuda_graphs), against the weight-bandwidth floor (a decode step
+    reads every weight once). A step far above the floor at small row counts is launch-bound (host time per kernel),
+    not bandwidth-bound. The graphs' first 8 steps' logits are compared with the eager ones (greedy tokens equal)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from grpo_dist.decoder import LeanDecoder, prepare_replica
+    from grpo_dist.decoder import prepare_replica
     dev = torch.device("cuda" if CUDA else "cpu")
     dtype = torch.bfloat16 if CUDA else torch.float32  # bf16 matmuls on a CPU are slow and say nothing
     L = DECODE_LENGTHS
@@ -317,31 +344,29 @@ def cmd_decode(a) -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         cfg = model.config
         for B in rows:
-            dec = LeanDecoder(model)
-            x = torch.randint(9, min(500, cfg.vocab_size), (B, L["prompt"]), device=dev)
-            with torch.inference_mode():
-                dec.prefill(x, torch.ones_like(x), None, L["new"])
-                y = x[:, 0]
-                for i in range(L["warmup"] + L["timed"]):
-                    if i == L["warmup"]:
-                        sync()
-                        t0 = time.perf_counter()
-                    dec.step(y)
-                sync()
-            ms = (time.perf_counter() - t0) / L["timed"] * 1e3
             # K and V of every layer up to the mean position of the timed steps
             mean_pos = L["prompt"] + L["warmup"] + L["timed"] / 2
             kv_bytes = (2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * mean_pos
                         * (cfg.hidden_size // cfg.num_attention_heads) * torch.finfo(dtype).bits / 8)
             floor, floor_kv = decode_floor_ms(weight_bytes, kv_bytes, a.gb_per_s)
-            print(f"CHECK decode {name} {B} rows: {ms:.2f} ms/step; floor {floor:.3g} ms (weights "
-                  f"{weight_bytes / GIB:.3g} GiB at {a.gb_per_s:g} GB/s), {floor_kv:.3g} ms with the KV cache; "
-                  f"{ms / floor:.1f}x the floor, {B / ms * 1e3:.0f} tokens/s", flush=True)
-            result(stage="decode", shape=name, rows=B, ms_per_step=round(ms, 3), floor_ms=float(f"{floor:.4g}"),
-                   floor_with_kv_ms=float(f"{floor_kv:.4g}"), x_floor=round(ms / floor, 1),
-                   tokens_per_s=round(B / ms * 1e3, 1), weight_bytes=weight_bytes, gb_per_s=a.gb_per_s,
-                   dtype=str(dtype).replace("torch.", ""), peak_gib=peak_gib())
-            del dec
+            runs = {}
+            for mode in ("eager", "graphs") if CUDA or SMOKE else ("eager",):
+                reset_peak()
+                ms, first = _decode_run(model, B, mode, dev)
+                runs[mode] = first
+                print(f"CHECK decode {name} {B} rows {mode}: {ms:.2f} ms/step; floor {floor:.3g} ms (weights "
+                      f"{weight_bytes / GIB:.3g} GiB at {a.gb_per_s:g} GB/s), {floor_kv:.3g} ms with the KV cache; "
+                      f"{ms / floor:.1f}x the floor, {B / ms * 1e3:.0f} tokens/s", flush=True)
+                result(stage="decode", shape=name, rows=B, mode=mode, ms_per_step=round(ms, 3),
+                       floor_ms=float(f"{floor:.4g}"), floor_with_kv_ms=float(f"{floor_kv:.4g}"),
+                       x_floor=round(ms / floor, 1), tokens_per_s=round(B / ms * 1e3, 1), weight_bytes=weight_bytes,
+                       gb_per_s=a.gb_per_s, dtype=str(dtype).replace("torch.", ""), peak_gib=peak_gib())
+            if "graphs" in runs:
+                diff = max(float((e - g).abs().max()) for e, g in zip(runs["eager"], runs["graphs"]))
+                same = all(torch.equal(e.argmax(-1), g.argmax(-1)) for e, g in zip(runs["eager"], runs["graphs"]))
+                print(f"CHECK decode {name} {B} rows graphs vs eager: greedy tokens equal {same}, max |logit "
+                      f"difference| {diff:.3g} over 8 steps", flush=True)
+                result(stage="decode_graphs_vs_eager", shape=name, rows=B, tokens_equal=same, max_logit_diff=diff)
         del model
         gc.collect()
         if CUDA:
@@ -408,7 +433,11 @@ def cmd_long(a) -> None:
                       for p, t in tokens.items())
           + f"; peak {f'{peak} GiB' if peak is not None else 'n/a'}, RSS {rss:.0f} MiB; issue 29's padding bars "
           f"(decode <= 15 %, passes <= 5 %) {'met' if bars else 'NOT met'}", flush=True)
-    result(stage="long", model=Path(a.model).name, rows=rows, cap=L["cap"], median=L["median"], p95=L["p95"],
+    tokens_per_s = m["completion_length_mean"] * rows / max(m["time_rollout_s"], 1e-9)
+    print(f"CHECK long rollout: {tokens_per_s:.0f} completion tokens/s (engine {cfg.rollout_engine}, "
+          f"lean_cuda_graphs {cfg.lean_cuda_graphs}: the run's defaults)", flush=True)
+    result(stage="long", model=Path(a.model).name, rows=rows, rollout_tokens_per_s=round(tokens_per_s, 1),
+           cap=L["cap"], median=L["median"], p95=L["p95"],
            budget=L["budget"], lengths_forced=forced, completion_length_mean=m["completion_length_mean"],
            completion_length_max=m["completion_length_max"], **times, step_s=round(sum(times.values()), 3),
            wall_s=round(wall, 3), tokens=tokens, padding_fraction=pad, padding_bars_met=bars, loss=m["loss"],
@@ -424,7 +453,7 @@ def cmd_long(a) -> None:
 # ------------------------------------------------------------------------------------------------------ async
 # Issue 23's asynchronous mode on the one GPU: bench/async.py's configurations and figures (its functions, by
 # import), the 0.5B config's per-rank rows (8 prompts x 8) on long_cot.py's lengths scaled to a 256-token cap.
-ASYNC = dict(prompts=8, num_generations=8, cap=256, steps=4, staleness=(0, 1))
+ASYNC = dict(prompts=8, num_generations=8, cap=256, steps=3, staleness=(0, 1))  # 4 steps took ~200 s on an H200
 if SMOKE:
     ASYNC = dict(prompts=2, num_generations=4, cap=16, steps=3, staleness=(0, 1))
 
@@ -513,9 +542,11 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "resume": ("format", "ok", "last_loss_equal", "max_weight_diff", "error"),
         "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib"),
         "meta": ("device", "misplaced", "examples", "loss", "step_time_s", "peak_gib"),
-        "decode": ("shape", "rows", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
+        "decode": ("shape", "rows", "mode", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
                    "peak_gib"),
-        "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "logprobs_s", "update_s", "padding_fraction",
+        "decode_graphs_vs_eager": ("shape", "rows", "tokens_equal", "max_logit_diff"),
+        "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "rollout_tokens_per_s", "logprobs_s",
+                 "update_s", "padding_fraction",
                  "peak_gib", "peak_rss_mib"),
         "async": ("config", "groups", "tokens_per_s", "tokens_per_s_full", "trainer_idle_fraction",
                   "trainer_idle_fraction_full", "rollout_idle_fraction", "rollout_idle_fraction_full",

@@ -11,9 +11,10 @@
 #   meta           the real trainer as rank 1 of a pretend 2-rank world (one process) on the 4-layer model: the
 #                  meta-device build that FSDP fills (param_init_fn + sync_module_states on CUDA), which no 1-rank
 #                  stage takes; lists every tensor not on the device (models.misplaced_tensors) and runs one step
-#   decode         the lean decoder on random bf16 weights at the 0.5B shape (64 and 256 rows) and the 7B shape
-#                  (32 and 128 rows): ms per decode step against the weight-bandwidth floor (GPU_CHECK_HBM_GBPS,
-#                  default 4800, an H200's)
+#   decode         the lean decoder on random bf16 weights at the 0.5B shape (64 and 256 rows), the 1.5B shape (64)
+#                  and the 7B shape (32 and 128 rows), eager and from CUDA graphs (lean_cuda_graphs): ms per decode
+#                  step against the weight-bandwidth floor (GPU_CHECK_HBM_GBPS, default 4800, an H200's), and the
+#                  graphs' greedy tokens and logits against the eager step's
 #   train_sharded  torchrun, 1 GPU, FSDP with bf16 mixed precision, Qwen2.5-0.5B, the 0.5B config's per-rank work
 #                  (8 prompts x 8 completions, 256 new tokens, beta 0.04): 3 steps with an evaluation at step 2,
 #                  a sharded (torch.distributed.checkpoint) save at step 2, then a fresh trainer resumes from it
@@ -130,7 +131,7 @@ stage env 60 bash -c "echo interpreter $PY; nvidia-smi || true; $PY -c 'import t
 \"gpus\", torch.cuda.device_count(), \"transformers\", transformers.__version__)'"
 stage build 150 "${D[@]}" build --root "$M"
 stage meta 120 "${D[@]}" meta --model "$M/qwen05_4l" --out "$WORK/meta"
-stage decode 150 "${D[@]}" decode
+stage decode 240 "${D[@]}" decode
 stage train_sharded 240 "${TR[@]}" train --model "$M/qwen05" --out "$WORK/sharded" --format sharded --eval-steps 2
 stage train_full 120 "${TR[@]}" train --model "$M/qwen05_4l" --out "$WORK/full" --format full
 stage train_untied 120 "${TR[@]}" train --model "$M/qwen05_4l_untied" --out "$WORK/untied" --format full
@@ -138,7 +139,7 @@ stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
 stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
-stage async 120 "${D[@]}" async --model "$M/qwen05_4l"
+stage async 240 "${D[@]}" async --model "$M/qwen05_4l"  # ~150-200 s alone on an H200: 120 cut it
 
 figures
 echo

@@ -2,7 +2,8 @@
 
 Without it the sampling loop (rollout._sample_loop) keeps every row in every decode step until the longest row
 ends: with long-tailed completion lengths it computes rows x longest row-steps for the tokens actually generated.
-With it, once the finished fraction of the rows still in the decode batch reaches the threshold, the decoder keeps
+With it, once the finished fraction of the rows still in the decode batch reaches the threshold (the host looks
+every rollout.STOP_CHECK_EVERY steps), the decoder keeps
 only the unfinished rows: its KV cache, positions and masks (LeanDecoder.compact, HFDecoder.compact) and the loop's
 per-row state (row map, done flags, sampling noise) are indexed down to them.
 
@@ -45,9 +46,9 @@ def buckets(batch: int) -> list[int]:
 
 def keep_rows(done: torch.Tensor, size: int) -> torch.Tensor:
     """Indices (ascending) of the rows to keep: every unfinished row, then finished ones up to `size` rows."""
-    alive = (~done).nonzero().squeeze(1)
-    fill = done.nonzero().squeeze(1)[:size - len(alive)]
-    return torch.cat([alive, fill]).sort().values
+    # unfinished rows first, then finished ones, each in row order (a stable sort of the flags); no host sync: the
+    # count `size` comes from the host already
+    return torch.sort(done.to(torch.uint8), stable=True).indices[:size].sort().values
 
 
 def should_compact(done_count: int, rows: int, threshold: float | None) -> int | None:
@@ -80,9 +81,10 @@ class ForcedLengths:
         self.lengths = self.lengths[keep]
 
     def _force(self, logits: torch.Tensor) -> torch.Tensor:
-        end = self.lengths - 1 == self.t
-        logits = logits.clone()
-        logits[:, self.eos_id] = float("-inf")
-        logits[end] = float("-inf")
-        logits[end, self.eos_id] = 0.0
-        return logits
+        """EOS banned, except in the rows whose last step this is, where it is the only token left: on the device,
+        no host sync (a boolean index would make one)."""
+        eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        eos[self.eos_id] = True
+        end = (self.lengths - 1 == self.t)[:, None]
+        return torch.where(eos, torch.where(end, 0.0, float("-inf")),
+                           torch.where(end, float("-inf"), logits)).to(logits.dtype)

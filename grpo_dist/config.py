@@ -274,9 +274,14 @@ class GRPOConfig:
                                                       "cost follows the tokens generated; in (0, 1]; null: never "
                                                       "(0.125: decode padding 8.4 % on bench/long_cot.py "
                                                       "--quick, 12.8 % at 0.25)")
-    lean_cuda_graphs: bool = _f(False, "rollout_engine=lean on CUDA: replay each decode step from a CUDA graph "
-                                "captured per decode batch size (the step is launch-bound at small models; "
-                                "grpo_dist/decoder.py CUDAGraphSteps); needs a CUDA device")
+    lean_cuda_graphs: Union[bool, str] = _f(False, "rollout_engine=lean: replay each decode step from a CUDA graph "
+                                            "captured per decode batch size (the step is launch-bound at small "
+                                            "models; grpo_dist/decoder.py CUDAGraphSteps): true (needs a CUDA "
+                                            "device) | false | auto (on where the device is CUDA and the engine "
+                                            "lean, off elsewhere). Default false until a GPU run measures graphs "
+                                            "correct and faster (docs/decoding.md)")
+    lean_compile: bool = _f(False, "rollout_engine=lean on CUDA: torch.compile the decode step (with or without "
+                            "lean_cuda_graphs); not measured yet (docs/decoding.md), needs a CUDA device")
     sampling_noise: str = _f("per_prompt", "where the lean / hf engines' sampling draws come from: per_prompt (each "
                              "completion from its own generator seeded by (seed, batch, prompt, completion): the same "
                              "completions on any number of ranks, in any batch or chunk; grpo_dist/sampling_noise.py) "
@@ -560,9 +565,13 @@ class GRPOConfig:
         t = self.decode_compaction_threshold
         if t is not None and not 0 < t <= 1:
             bad.append(f"config key 'decode_compaction_threshold' must be in (0, 1] or null (never), got {t}")
-        if self.lean_cuda_graphs and self.rollout_engine != "lean":
+        if self.lean_cuda_graphs not in (True, False, "auto"):
+            bad.append(f"config key 'lean_cuda_graphs' must be true, false or auto, got {short(self.lean_cuda_graphs)}")
+        elif self.lean_cuda_graphs is True and self.rollout_engine != "lean":
             bad.append(f"config key 'lean_cuda_graphs' = true needs rollout_engine=lean, got {self.rollout_engine}")
-        return bad  # (lean_cuda_graphs on a machine without CUDA: preflight.check_cuda_graphs)
+        if self.lean_compile and self.rollout_engine != "lean":
+            bad.append(f"config key 'lean_compile' = true needs rollout_engine=lean, got {self.rollout_engine}")
+        return bad  # (lean_cuda_graphs / lean_compile = true on a machine without CUDA: preflight.check_cuda_graphs)
 
     def _rollout_engine_problems(self) -> list[str]:
         bad: list[str] = []
@@ -842,6 +851,14 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def lean_cuda_graphs_on(cfg, device) -> bool:
+    """Whether the lean engine replays its decode steps from CUDA graphs on `device` (config key lean_cuda_graphs:
+    true, false, or auto = where the device is CUDA and the engine lean)."""
+    if cfg.lean_cuda_graphs == "auto":
+        return cfg.rollout_engine == "lean" and getattr(device, "type", str(device)).startswith("cuda")
+    return cfg.lean_cuda_graphs is True
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and gently convert) `value` against the annotation `tp`, or raise naming `key`."""
     origin = typing.get_origin(tp)
@@ -849,6 +866,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if bool in args and isinstance(value, bool) or str in args[1:] and isinstance(value, str):
+            return value  # bool | str keys (true / false / "auto"): the value as it came
         return _coerce(value, args[0], key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):

@@ -8,7 +8,10 @@ computation with:
   - one q|k|v and one gate|up matmul per layer: the trainer's generation replica has its q/k/v (gate/up) weights
     re-pointed into one buffer once (prepare_replica), so weight refreshes fill it in place at no extra memory;
     other models are left untouched and run separate matmuls;
-  - RoPE on q and k together from a precomputed cos/sin table, with the same arithmetic as transformers;
+  - RoPE on q and k together as one multiply and one add from a precomputed [[cos, -sin], [sin, cos]] table (no
+    flip or concatenation), RMSNorm as torch's fused rms_norm, softmax without dtype round trips, k's RoPE result
+    written straight into its cache column: 17 ops per layer per decode step in fp32, 19 in bf16 (36 before;
+    bench/decode_ops.py counts them), each with transformers' arithmetic;
   - the prompt prefilled once per group and its cache copied to the G rows that share it.
 Anything it does not model (other architectures, dynamic RoPE, sliding windows shorter than the sequence, adapters
 wrapping the projections) makes `lean_decoder_unsupported` return the reason, and the caller falls back to the
@@ -123,11 +126,16 @@ def fused_projections(model) -> list[dict] | None:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, the same arithmetic: normalise in fp32, cast back, then scale."""
-    if x.dtype == torch.float32:  # no casts: fewer ops per call (a decode step makes 9 of these calls)
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """transformers' RMSNorm, the same arithmetic (normalise in fp32, cast back, then scale), in torch's rms_norm: one
+    fused kernel on CUDA where the composite was 6-8. fp32: the weight inside (bitwise transformers' on a CPU);
+    bf16/fp16: rms_norm upcasts to fp32 inside and casts its result back, then the weight multiplies after the cast,
+    as transformers does (torch would scale before the cast); fp64: transformers normalises in fp32 there too.
+    A weight of more dimensions than one (Qwen3's q/k norm, one row per head) multiplies after the norm."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float64:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
 
 
 class _Layer(NamedTuple):
@@ -149,11 +157,14 @@ class LeanDecoder:
     """prefill(ids, mask, repeats, max_new_tokens) once, then step(tokens) per token; each returns next-token logits
     [rows, vocab]. Built per rollout from the model's current weights (views, no copies)."""
 
-    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True):
+    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True, compile_step: bool = False):
         config, inner = model.config, model.model
         # decode steps replayed from CUDA graphs, one per decode batch size (CUDAGraphSteps; config lean_cuda_graphs);
         # capture=False runs the same static steps without graphs (what the CPU tests check)
-        self.graphs = CUDAGraphSteps(self, capture) if cuda_graphs else None
+        self.graphs = CUDAGraphSteps(self, capture and cuda_graphs) if cuda_graphs or compile_step else None
+        if compile_step:  # config lean_compile: torch.compile of the static step (its cache column is a tensor, so
+            # steps do not recompile; each decode batch size and attention width does, as each gets its own graph)
+            self.static_step = torch.compile(self.static_step, dynamic=False)  # type: ignore[method-assign]
         unfused: list[Any] = [None] * len(inner.layers)
         fused: list[Any] = fused_projections(model) or unfused
         first = inner.layers[0].self_attn
@@ -182,15 +193,24 @@ class LeanDecoder:
 
     # ------------------------------------------------------------------------------------------------ pieces
     def _rope_tables(self, max_position: int, dtype) -> None:
-        """cos and 'signed sin' per position: rotate_half(x) * sin == swap_halves(x) * cat(-sin_half, sin_half)."""
+        """RoPE as a 2 x 2 rotation of the head's two halves: out half a = sum over input half b of rope[pos, a, b] *
+        half b, with rope[pos] = [[cos, -sin], [sin, cos]] per frequency ([positions, 2, 2, D/2]). One multiply
+        and one add per step (_rope_products), no flip or concatenation of rotate_half, and the same arithmetic as
+        transformers' q * cos + rotate_half(q) * sin: each output is round(round(x1 * c) + round(x2 * (+-s)))."""
         pos = torch.arange(max_position, device=self.inv_freq.device, dtype=torch.float)
         freqs = pos[:, None] * self.inv_freq.float()[None, :]
-        self.cos = (torch.cat([freqs, freqs], -1).cos() * self.attention_scaling).to(dtype)
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        self.signed_sin = torch.cat([-sin, sin], -1)
+        self.rope = torch.stack([torch.stack([cos, -sin], -2), torch.stack([sin, cos], -2)], -3)
 
-    def _qk_v(self, w: _Layer, x: torch.Tensor, cos, signed_sin):
-        """Normalised input -> q|k after (Qwen3) norm and RoPE, [..., H + Hkv, D], and v, [..., Hkv, D]."""
+    def _rope_products(self, qk: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """qk [..., heads, D], rope [..., 1, 2, 2, D/2] -> the products [..., heads, 2 (out half), 2 (in half), D/2];
+        RoPE's result is their sum over the in half (_rope_tables)."""
+        return qk.unflatten(-1, (2, self.head_dim // 2))[..., None, :, :] * rope
+
+    def _qk_v(self, w: _Layer, x: torch.Tensor):
+        """Input -> q|k after the (Qwen3) q/k norm, before RoPE, [..., H + Hkv, D], and v, [..., Hkv, D]: views of
+        one q|k|v matmul's output."""
         D, nqk = self.head_dim, self.n_heads + self.n_kv
         h = _rms_norm(x, w.input_norm, self.eps)
         if isinstance(w.qkv_w, list):
@@ -201,8 +221,7 @@ class LeanDecoder:
         v = qkv[..., nqk * D:].unflatten(-1, (self.n_kv, D))
         if w.qk_norm is not None:
             qk = _rms_norm(qk, w.qk_norm, self.eps)
-        swapped = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
-        return qk * cos + swapped * signed_sin, v
+        return qk, v
 
     def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(x, w.post_norm, self.eps)
@@ -223,7 +242,7 @@ class LeanDecoder:
         H, D, dtype, dev = self.n_heads, self.head_dim, self.embed.dtype, ids.device
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self._rope_tables(int(positions[:, -1].max()) + max_new_tokens + 1, dtype)
-        cos, ssin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]
+        rope = self.rope[positions][:, :, None]  # [b, P, 1 (heads), 2, 2, D/2]
         # query i sees keys j <= i that are real tokens; padding queries see themselves (their output is unused)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         attend = ((causal[None] & mask.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None])[:, None]
@@ -241,7 +260,9 @@ class LeanDecoder:
         self.cache = []
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # the whole preallocated caches
         for w in self.layers:
-            qk, v = self._qk_v(w, x, cos, ssin)
+            qk, v = self._qk_v(w, x)
+            y = self._rope_products(qk, rope)
+            qk = (y[..., 0, :] + y[..., 1, :]).flatten(-2)
             q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self.scaling,
                                                  enable_gqa=H != self.n_kv)
@@ -290,24 +311,28 @@ class LeanDecoder:
         `width` columns, those after col masked out. tokens, positions: [rows]. Returns the logits; self.length and
         the positions are the caller's to move."""
         H, Hkv, D, B = self.n_heads, self.n_kv, self.head_dim, tokens.shape[0]
-        cos, ssin = self.cos[positions][:, None], self.signed_sin[positions][:, None]
+        rope = self.rope[positions][:, None]  # [B, 1 (heads), 2, 2, D/2]
         later = torch.arange(width, device=tokens.device) > col
         bias = self.key_bias[..., :width].masked_fill(later, float("-inf"))
         x = F.embedding(tokens, self.embed)
         for w, (k_cache, v_cache) in zip(self.layers, self.cache):
-            qk, v = self._qk_v(w, x, cos, ssin)
-            if isinstance(col, int):
-                k_cache[:, :, col] = qk[:, H:]
+            qk, v = self._qk_v(w, x)
+            y = self._rope_products(qk, rope)
+            q = y[:, :H, :, 0] + y[:, :H, :, 1]  # [B, H, 2, D/2], contiguous: the attention's layout below
+            if isinstance(col, int):  # k's RoPE sum written straight into its cache column
+                torch.add(y[:, H:, :, 0], y[:, H:, :, 1], out=k_cache[:, :, col].unflatten(-1, (2, D // 2)))
                 v_cache[:, :, col] = v
             else:
-                k_cache.index_copy_(2, col, qk[:, H:, None])
+                k_cache.index_copy_(2, col, (y[:, H:, :, 0] + y[:, H:, :, 1]).flatten(-2)[:, :, None])
                 v_cache.index_copy_(2, col, v[:, :, None])
             # grouped-query attention, one query per row: the H/Hkv query heads of each kv head against its cache,
             # batched over rows x kv heads: [B*Hkv, H/Hkv, D] @ [B*Hkv, D, width]
-            q = qk[:, :H].reshape(B * Hkv, H // Hkv, D)
+            q = q.view(B * Hkv, H // Hkv, D)
             keys, values = k_cache.view(B * Hkv, -1, D)[:, :width], v_cache.view(B * Hkv, -1, D)[:, :width]
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
-            probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(q.dtype)
+            # bf16/fp16: softmax computes in fp32 inside and rounds once (bitwise the former float()-softmax-to()
+            # on a CPU); fp64 keeps transformers' fp32 softmax
+            probs = scores.float().softmax(-1).to(q.dtype) if scores.dtype == torch.float64 else scores.softmax(-1)
             out = torch.bmm(probs, values).view(B, H * D)
             x = self._mlp(w, x + F.linear(out, w.o_w, w.o_b))
         return self._logits(x)

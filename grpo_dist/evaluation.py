@@ -92,9 +92,11 @@ def as_rollout_engine(model, cfg, tokenizer) -> RolloutEngine:
     """A rollout engine as is; a plain model -> the lean / hf sampling loop on it (config key rollout_engine)."""
     if isinstance(model, RolloutEngine):
         return model
+    from grpo_dist.config import lean_cuda_graphs_on
     model.eval()  # no dropout while generating
     return ReplicaRolloutEngine(model, cfg.rollout_engine != "hf", tokenizer.pad_token_id, cfg.generation_batch_size,
-                                cfg.decode_compaction_threshold, cfg.lean_cuda_graphs)
+                                cfg.decode_compaction_threshold,
+                                lean_cuda_graphs_on(cfg, next(model.parameters()).device), cfg.lean_compile)
 
 
 def _score_examples(model, tokenizer, examples, cfg, rewards, num_samples: int, do_sample: bool,

@@ -63,10 +63,14 @@ def run(cfg, ctx):
 
 
 def check_cuda_graphs(cfg, device) -> None:
-    """CUDA graphs capture CUDA kernels: on any other device lean_cuda_graphs cannot do anything."""
-    if cfg.lean_cuda_graphs and getattr(device, "type", str(device)) != "cuda":
+    """CUDA graphs capture CUDA kernels: on any other device lean_cuda_graphs cannot do anything; lean_compile is for
+    CUDA too (inductor on a CPU took minutes to compile here)."""
+    if cfg.lean_cuda_graphs is True and getattr(device, "type", str(device)) != "cuda":
         raise ConfigError(f"config key 'lean_cuda_graphs' = true needs a CUDA device, and this run's device is "
                           f"{device}; set lean_cuda_graphs=false")
+    if cfg.lean_compile and getattr(device, "type", str(device)) != "cuda":
+        raise ConfigError(f"config key 'lean_compile' = true needs a CUDA device (torch.compile of the decode step is "
+                          f"measured nowhere else), and this run's device is {device}; set lean_compile=false")
 
 
 def check_output_dir(output_dir: str) -> None:

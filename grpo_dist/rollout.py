@@ -196,13 +196,23 @@ class HFDecoder:
         self.full_mask, self.next_pos = self.full_mask[keep], self.next_pos[keep]
 
 
-def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False):
+def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False, compile_step: bool = False):
     """LeanDecoder where it covers the model (bench/generation.py: the transformers forward spends most of a decode
     step outside the model's arithmetic), else the transformers forward. cuda_graphs: LeanDecoder replays its
-    decode steps from CUDA graphs (config lean_cuda_graphs)."""
+    decode steps from CUDA graphs (config lean_cuda_graphs); compile_step: torch.compile of its step
+    (lean_compile)."""
     if lean and lean_decoder_unsupported(model, total_length) is None:
-        return LeanDecoder(model, cuda_graphs)
+        return LeanDecoder(model, cuda_graphs, compile_step=compile_step)
     return HFDecoder(model)
+
+
+# The sampling loop keeps EOS and the finished rows on the device; the host reads them (one sync: "how many rows have
+# finished?") after every STOP_CHECK_EVERY-th step, where it stops when all have and compacts the decode batch
+# (grpo_dist.compaction). A step whose every row had finished costs at most STOP_CHECK_EVERY - 1 extra steps of the
+# smallest decode batch at the end of a rollout, and compaction comes up to that many steps late: docs/decoding.md
+# counts it (long-tailed lengths, cap 1024: +0.6 % rows computed; cap 128: +4 %). Tokens and log-probs do not depend
+# on it: a finished row only emits padding.
+STOP_CHECK_EVERY = 8
 
 
 def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -229,8 +239,7 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
     over the sampling steps (the prefill's last position included)."""
     logits = decoder.prefill(ids, mask, repeats, max_new_tokens)
     B = logits.shape[0]
-    # "all rows done?" reads the device: on a GPU every read waits for the queue, so it is asked every 8 tokens
-    check_every = 1 if logits.device.type == "cpu" else 8
+    check_every = STOP_CHECK_EVERY
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     rows: torch.Tensor | None = None  # after a compaction: the output row of each decode-batch row
@@ -253,7 +262,7 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
             if logprobs_out is not None:
                 logprobs_out.append(_token_logprobs(scores, nxt))
         else:
-            tokens[rows, t] = nxt
+            tokens[:, t].index_copy_(0, rows, nxt)
             if logprobs_out is not None:
                 logprobs_out.append(torch.zeros(B, dtype=scores.dtype, device=scores.device).index_copy_(
                     0, rows, _token_logprobs(scores, nxt)))

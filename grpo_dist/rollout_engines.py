@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo_dist.config import ConfigError
+from grpo_dist.config import ConfigError, lean_cuda_graphs_on
 from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
 from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
 from grpo_dist.sampling_noise import row_noise
@@ -118,10 +118,10 @@ class ReplicaRolloutEngine(RolloutEngine):
     model: torch.nn.Module
 
     def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None,
-                 compaction_threshold: float | None = None, cuda_graphs: bool = False):
+                 compaction_threshold: float | None = None, cuda_graphs: bool = False, compile_step: bool = False):
         self.model, self.lean, self.pad_id, self.batch_size = model, lean, pad_id, batch_size
         self.compaction_threshold = compaction_threshold  # decode_compaction_threshold
-        self.cuda_graphs = cuda_graphs  # lean_cuda_graphs
+        self.cuda_graphs, self.compile_step = cuda_graphs, compile_step  # lean_cuda_graphs, lean_compile
         self.name = "lean" if lean else "hf"
 
     def sync_weights(self, weights) -> None:
@@ -134,7 +134,8 @@ class ReplicaRolloutEngine(RolloutEngine):
         ids, mask = left_pad(prompt_ids, self.pad_id, device)
         n, rows = sampling.n, len(prompt_ids) * sampling.n
         eos = torch.as_tensor(list(sampling.eos_ids), device=device)
-        decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean, self.cuda_graphs)
+        decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean, self.cuda_graphs,
+                               self.compile_step)
         chunk = self.batch_size or rows
         out = Generations()
         stats = {"decode_row_steps": 0}
@@ -463,7 +464,7 @@ def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
                                     cfg.generation_batch_size, cfg.decode_compaction_threshold,
-                                    cfg.lean_cuda_graphs)
+                                    lean_cuda_graphs_on(cfg, next(replica.parameters()).device), cfg.lean_compile)
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
                              vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied,
                              rows=rows or cfg.prompts_per_rank * cfg.num_generations, num_params=num_params,

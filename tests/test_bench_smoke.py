@@ -176,3 +176,21 @@ def test_bench_async_colocated_per_token_times_count_the_rows_of_rank_0():
     two = bench.summarise(args, -1, [main, {"rank": 1}])
     assert two["ranks"] == 2  # rank 0's rows: 7 + 10 and 6 + 3 tokens
     assert two["rollout_s_per_token"] == pytest.approx(2.0 / 26) and two["train_s_per_token"] == pytest.approx(4.0 / 26)
+
+
+def test_decode_ops_counts_within_the_bars():
+    """bench/decode_ops.py on a small random Qwen2 shape: its JSON line carries the counts and the timing, and the
+    lean decode step stays within issue 36's CPU bars: at most 20 ops per layer (36 in bf16 and 30 in fp32 before)
+    and at most one host sync per 8 decode steps (1 per step before: "all rows done?" was read every step on a CPU).
+    Counts, not timings: they do not depend on the machine's load."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_ops.py"), "--layers", "2", "--hidden",
+                        "32", "--rows", "8", "--vocab", "96", "--steps", "8", "--reps", "1", "--dtype", "bfloat16"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("kernels_per_step", "kernels_per_layer", "host_syncs_per_step", "ms_per_step"):
+        assert key in last, key
+    assert last["kernels_per_layer"] <= 20, last  # bf16: the most (fp32 needs no casts)
+    assert 0 < last["host_syncs_per_step"] <= 0.125, last
+    assert last["kernels_per_step"] >= 2 * last["kernels_per_layer"], last

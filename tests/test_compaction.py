@@ -50,13 +50,16 @@ def test_bucket_and_keep_arithmetic():
     assert should_compact(3, 32, 0.1) is None and should_compact(3, 32, 0.09375) == 30  # 29 -> 30
 
 
-def expected_row_steps(lengths: list[int], threshold: float | None) -> int:
-    """The decode rows computed, written out: each step computes the rows in the batch; after the step, when the
-    finished ones are >= threshold of them, the batch shrinks to written_out_bucket(unfinished rows); the loop
-    ends when every row has finished."""
+def expected_row_steps(lengths: list[int], threshold: float | None, every: int = 8) -> int:
+    """The decode rows computed, written out: each step computes the rows in the batch; the host looks at the
+    finished rows only after every 8th step (rollout.STOP_CHECK_EVERY: one host sync per 8 steps), and there, when
+    the finished ones are >= threshold of them, the batch shrinks to written_out_bucket(unfinished rows), and the
+    loop ends when every row has finished (else at the longest length)."""
     batch, total = len(lengths), 0
     for t in range(max(lengths)):
         total += batch
+        if (t + 1) % every:
+            continue
         alive = sum(n > t + 1 for n in lengths)
         if alive == 0:
             break

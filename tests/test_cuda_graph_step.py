@@ -66,3 +66,35 @@ def test_lean_cuda_graphs_is_refused_without_cuda_and_with_another_engine():
         check_cuda_graphs(cfg, torch.device("cpu"))
     check_cuda_graphs(cfg, torch.device("cuda", 0))  # the device it is meant for passes
     assert load_config(None, ["data.preset=arithmetic"]).lean_cuda_graphs is False
+
+
+def test_lean_cuda_graphs_auto_is_on_only_for_the_lean_engine_on_cuda():
+    """auto: on where the device is CUDA and the engine lean, off elsewhere (never refused); other strings are."""
+    from grpo_dist.config import ConfigError, lean_cuda_graphs_on, load_config
+    from grpo_dist.preflight import check_cuda_graphs
+    auto = load_config(None, ["data.preset=arithmetic", "lean_cuda_graphs=auto"])
+    assert auto.lean_cuda_graphs == "auto"
+    check_cuda_graphs(auto, torch.device("cpu"))  # not refused: auto is off here
+    assert not lean_cuda_graphs_on(auto, torch.device("cpu"))
+    assert lean_cuda_graphs_on(auto, torch.device("cuda", 0))
+    hf = load_config(None, ["data.preset=arithmetic", "lean_cuda_graphs=auto", "rollout_engine=hf"])
+    assert not lean_cuda_graphs_on(hf, torch.device("cuda", 0))
+    on = load_config(None, ["data.preset=arithmetic", "lean_cuda_graphs=true"])
+    assert lean_cuda_graphs_on(on, "cpu") and not lean_cuda_graphs_on(load_config(None, ["data.preset=arithmetic"]),
+                                                                       torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="'lean_cuda_graphs' must be true, false or auto"):
+        load_config(None, ["data.preset=arithmetic", "lean_cuda_graphs=sometimes"])
+
+
+def test_lean_compile_defaults_off_and_is_refused_without_cuda_and_with_another_engine():
+    """lean_compile (torch.compile of the decode step) is not measured anywhere but CUDA: refused elsewhere with
+    one line, before any model loads; off by default."""
+    from grpo_dist.config import ConfigError, load_config
+    from grpo_dist.preflight import check_cuda_graphs
+    assert load_config(None, ["data.preset=arithmetic"]).lean_compile is False
+    with pytest.raises(ConfigError, match="'lean_compile' = true needs rollout_engine=lean"):
+        load_config(None, ["data.preset=arithmetic", "lean_compile=true", "rollout_engine=hf"])
+    cfg = load_config(None, ["data.preset=arithmetic", "lean_compile=true"])
+    with pytest.raises(ConfigError, match="'lean_compile' = true needs a CUDA device"):
+        check_cuda_graphs(cfg, torch.device("cpu"))
+    check_cuda_graphs(cfg, torch.device("cuda", 0))

@@ -91,7 +91,7 @@ def _setup(rank, world, model_dir, meta_buffers, backend):
     decoder = LeanDecoder(tr.gen_model)
     ids = torch.tensor([[5, 6, 7]], device=ctx.device)
     decoder.prefill(ids, torch.ones_like(ids), None, 4)
-    out["rope_tables"] = [(t.device.type, t.clone()) for t in (decoder.cos, decoder.signed_sin)]
+    out["rope_tables"] = [(t.device.type, t.clone()) for t in (decoder.rope,)]
     out["loss"] = tr.train_step()["loss"]  # a whole step runs
     return out
 

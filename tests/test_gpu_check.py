@@ -76,7 +76,12 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     import gpu_check
     importlib.reload(gpu_check)  # SMOKE is read at import
     decode = [x for x in rows if x["stage"] == "decode"]
-    assert [(x["shape"], x["rows"]) for x in decode] == [(n, b) for n, _, rs in gpu_check.DECODE_SHAPES for b in rs]
+    # eager then graphs (on a CPU: the graphs' static step, uncaptured) per (shape, rows), and the graphs' greedy
+    # tokens equal to the eager step's
+    assert [(x["shape"], x["rows"], x["mode"]) for x in decode] == \
+        [(n, b, m) for n, _, rs in gpu_check.DECODE_SHAPES for b in rs for m in ("eager", "graphs")]
+    same = [x for x in rows if x["stage"] == "decode_graphs_vs_eager"]
+    assert len(same) == len(decode) // 2 and all(x["tokens_equal"] and x["max_logit_diff"] == 0 for x in same), same
     for x in decode:
         assert x["ms_per_step"] > 0 and x["floor_ms"] > 0
         # the floor: every weight read once per step at the bandwidth (an H200's 4800 GB/s by default)
