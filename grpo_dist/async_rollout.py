@@ -456,7 +456,8 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                     spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
                                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
-                                                                  cfg.num_generations)))
+                                                                  cfg.num_generations)),
+                                        full_logprobs=cfg.max_staleness > 0)  # decoupled PPO's behaviour log-probs
                     batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
                                            cfg.data.max_prompt_length, ctx.device)
                     watchdog.set_phase("reward", msg["batch"])

@@ -428,15 +428,6 @@ class GRPOConfig:
         if k and not self.epsilon < 1:
             bad.append(f"config key 'epsilon' = {self.epsilon:g} with max_staleness = {k}: the ratio against stale "
                        f"behaviour log-probs must be clipped inside (0, 2); set epsilon below 1 (e.g. 0.2)")
-        if k and (self.top_p < 1 or self.top_k > 0):
-            # The sampler's log-probs are those of the filtered, renormalised distribution: with unchanged weights
-            # the ratio against them is the kept mass (0.97 at top_p 0.95), so the clip window sits off centre and
-            # GSPO's narrow window drops every negative-advantage sequence. Refused until the decoupled objective
-            # (a proximal policy clipped against, the full-distribution behaviour log-probs as a weight) is built.
-            key, value = ("top_p", f"{self.top_p:g}") if self.top_p < 1 else ("top_k", str(self.top_k))
-            bad.append(f"config key '{key}' = {value} with max_staleness = {k}: the PPO ratio would be taken "
-                       f"against the filtered sampling distribution (off centre by the kept mass); use top_p=1.0 "
-                       f"and top_k=0 with max_staleness > 0, or max_staleness=0")
         if self.reward_timeout_s >= self.distributed.timeout_s:  # the rollout rank grades while a trainer waits
             bad.append(f"config key 'reward_timeout_s' = {self.reward_timeout_s:g} is not below "
                        f"distributed.timeout_s = {self.distributed.timeout_s:g}: with rollout_ranks > 0 a trainer "

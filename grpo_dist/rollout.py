@@ -224,7 +224,8 @@ def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  min_new_tokens: int, do_sample: bool, eos_ids: torch.Tensor, pad: int,
                  logprobs_out: list | None = None, noise: torch.Tensor | None = None,
-                 compaction_threshold: float | None = None, stats: dict | None = None) -> torch.Tensor:
+                 compaction_threshold: float | None = None, stats: dict | None = None,
+                 full_logprobs: bool = False) -> torch.Tensor:
     """KV-cached sampling without `generate`'s per-token machinery. Same semantics as generate: scores in fp32;
     EOS banned for the first min_new_tokens; then temperature, top-k, top-p; a row that emitted EOS gets padding
     afterwards; stops when every row is done. ids/mask are the unique prompts, repeats[i] the rows that continue
@@ -232,7 +233,9 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
     draws from the same distribution with another use of the RNG (sample_from_scores). logprobs_out, when given,
     receives per step the fp32 log-prob of each row's token under the distribution it was drawn from (temperature,
     then top-k / top-p renormalised, like vLLM's processed_logprobs; greedy: the plain softmax), 0 for rows that
-    left the decode batch. noise: [rows, max_new_tokens] uniforms (grpo_dist.sampling_noise.row_noise), row i's
+    left the decode batch; with full_logprobs, under softmax(logits / temperature) before the EOS ban and the
+    filters (what the trainer computes: the behaviour log-probs of decoupled PPO, which must not carry the kept
+    mass of top-k / top-p). noise: [rows, max_new_tokens] uniforms (grpo_dist.sampling_noise.row_noise), row i's
     token t drawn with noise[i, t]; None: the process RNG (then a row's draws depend on the other rows of the batch).
     compaction_threshold: finished rows leave the decode batch once they are this fraction of it
     (grpo_dist.compaction; None: never). stats, when given, gets "decode_row_steps" added: the rows computed, summed
@@ -246,6 +249,8 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
     row_steps = 0
     for t in range(max_new_tokens):
         scores = logits.float()
+        full = None if not full_logprobs else scores / temperature if do_sample and temperature != 1.0 \
+            else scores.clone()
         if t < min_new_tokens:
             scores = scores.index_fill_(1, eos_ids, float("-inf"))
         if do_sample:
@@ -257,15 +262,16 @@ def _sample_loop(decoder, ids, mask, repeats, *, max_new_tokens: int, temperatur
             nxt = scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad)
         row_steps += len(nxt)
+        scored = scores if full is None else full
         if rows is None:
             tokens[:, t] = nxt
             if logprobs_out is not None:
-                logprobs_out.append(_token_logprobs(scores, nxt))
+                logprobs_out.append(_token_logprobs(scored, nxt))
         else:
             tokens[:, t].index_copy_(0, rows, nxt)
             if logprobs_out is not None:
                 logprobs_out.append(torch.zeros(B, dtype=scores.dtype, device=scores.device).index_copy_(
-                    0, rows, _token_logprobs(scores, nxt)))
+                    0, rows, _token_logprobs(scored, nxt)))
         done |= torch.isin(nxt, eos_ids)
         if t == max_new_tokens - 1:
             break

@@ -59,6 +59,9 @@ class SamplingSpec:
     # one generator seed per row (prompts x n, grouped by prompt; grpo_dist.sampling_noise.row_seeds): each row
     # draws from its own noise, whatever the batch, rank or chunk; None: the process RNG
     row_seeds: tuple[int, ...] | None = None
+    # logprobs under softmax(logits / temperature), before top-k / top-p (the behaviour log-probs of decoupled PPO,
+    # asynchronous GRPO at max_staleness > 0); False: under the distribution the tokens were drawn from
+    full_logprobs: bool = False
 
 
 @dataclass
@@ -150,7 +153,8 @@ class ReplicaRolloutEngine(RolloutEngine):
                                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                   min_new_tokens=sampling.min_tokens, do_sample=not sampling.greedy, eos_ids=eos,
                                   pad=self.pad_id, logprobs_out=steps, noise=noise,
-                                  compaction_threshold=self.compaction_threshold, stats=stats)
+                                  compaction_threshold=self.compaction_threshold, stats=stats,
+                                  full_logprobs=sampling.full_logprobs)
             logprobs = torch.stack(steps, 1)
             for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
                 row_ids, row_lp = trim_at_eos(row_ids, row_lp, sampling.eos_ids)

@@ -75,9 +75,12 @@ def test_staleness_0_two_trainers_two_rollout_ranks_is_bitwise_two_colocated(tmp
 @pytest.mark.slow
 def test_staleness_k_bounds_the_lag_and_trains_decoupled_ppo(tmp_path):
     k, steps = 2, 4
-    # one iteration: with the policy's own log-probs as "old" every ratio would be exactly 1
+    # nucleus + top-k sampling and GSPO's narrow window (3e-4): the case the old objective got wrong (the ratio
+    # against filtered log-probs sat at the kept mass, below 1 - epsilon, and negative-advantage sequences were
+    # clipped out)
     a = run_ranks(_train, 2, tmp_path, [f"max_steps={steps}", "rollout_ranks=1", f"max_staleness={k}",
-                                        "num_iterations=1"],
+                                        "num_iterations=1", "top_p=0.9", "top_k=20",
+                                        "importance_sampling_level=sequence", "epsilon=3e-4", "epsilon_high=4e-4"],
                   str(tmp_path / "async"))[0]
     lags = [m["async/lag_max"] for m in a["metrics"]]
     # batch j is sampled with version max(0, j - k) and trains at step j: lag min(j, k), never above k
@@ -90,9 +93,10 @@ def test_staleness_k_bounds_the_lag_and_trains_decoupled_ppo(tmp_path):
     # decoupled PPO: the ratio is against the proximal policy (this step's weights, a no-grad pass): ~1 with one
     # iteration; the staleness shows in the sampler metrics and the behaviour weight proximal / sampler instead
     assert all(abs(m["ratio_mean"] - 1.0) < 1e-4 for m in a["metrics"])
+    assert all(m["clip_fraction"] == 0.0 for m in a["metrics"])  # nothing clipped: every sequence has a gradient
     for m, lag in zip(a["metrics"], lags):
         assert "is_weight_mean" in m and "dual_clip_fraction" in m  # both on by default with stale rollouts
-        if lag == 0:  # the sampler had the trainer's weights: only rounding apart
+        if lag == 0:  # the sampler had the trainer's weights: only rounding apart (not the kept mass of top_p)
             assert m["sampler_logprob_diff"] < 1e-4 and abs(m["is_weight_mean"] - 1.0) < 1e-4
         else:  # sampled lag optimizer steps ago: the real gap (it read 0, and the weight 1, before)
             assert m["sampler_logprob_diff"] > 1e-4 and abs(m["is_weight_mean"] - 1.0) > 1e-4
@@ -150,8 +154,6 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
     (["rollout_ranks=1", "max_staleness=1", "epsilon=inf"], "epsilon"),
     (["rollout_ranks=1", "max_staleness=2", "epsilon=1e9"], "epsilon"),
     (["rollout_ranks=1", "max_staleness=1", "epsilon=1.0"], "epsilon"),
-    (["rollout_ranks=1", "max_staleness=1", "top_p=0.95"], "top_p"),
-    (["rollout_ranks=1", "max_staleness=1", "top_k=20"], "top_k"),
     (["max_staleness=1"], "max_staleness"),
     (["rollout_ranks=-1"], "rollout_ranks"),
     (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
@@ -167,16 +169,19 @@ def test_settings_that_cannot_apply_are_refused_at_start(overrides, key):
     assert "\n" not in str(e.value).split(" (and ")[0]
 
 
-def test_filtered_sampling_is_accepted_on_policy():
-    """top_p / top_k are fine where the ratio is taken against the trainer's own log-probs (max_staleness 0)."""
+@pytest.mark.parametrize("k", [0, 1])
+def test_filtered_sampling_is_accepted_at_any_staleness(k):
+    """top_p / top_k: at max_staleness 0 no behaviour weight is used; above it the rollout ranks return the
+    full distribution's log-probs (SamplingSpec.full_logprobs)."""
     from grpo_dist.config import load_config
-    cfg = load_config(None, BASE + ["rollout_ranks=1", "top_p=0.9", "top_k=20"])
+    cfg = load_config(None, BASE + ["rollout_ranks=1", f"max_staleness={k}", "top_p=0.9", "top_k=20"])
     assert cfg.async_problems(2) == []
 
 
 def test_filtered_sampler_logprobs_put_the_ratio_at_the_kept_mass():
-    """Why top_p < 1 is refused with max_staleness > 0: with the same weights, exp(logp_full - logp_sampler) for
-    a kept token is sum over kept tokens of softmax(scores), not 1."""
+    """Why the rollout ranks return full-distribution log-probs at max_staleness > 0: with the same weights,
+    exp(logp_full - logp_filtered) for a kept token is the kept mass (sum over kept tokens of softmax(scores)),
+    not 1, and a behaviour weight taken against the filtered log-probs would carry it."""
     from grpo_dist.rollout import _filter_scores, _token_logprobs
     torch.manual_seed(0)
     scores = torch.randn(4, 50) * 2
