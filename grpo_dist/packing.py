@@ -129,9 +129,33 @@ def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    why = _rows_reason(query, key, kwargs)
+    if why is not None and not plan.shared:  # transformers' block-diagonal mask from the position_ids is right
+        _say_once(f"[grpo_dist] packed attention: {why}; this layer runs transformers' sdpa with its dense "
+                  f"block-diagonal mask")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS and k != "is_causal"}
     return rows_attention(module, query, key, value, plan, sdpa_attention_forward, dropout=dropout,
                           scaling=scaling, **rest)
+
+
+def _rows_reason(query, key, kwargs) -> str | None:
+    """Why rows_attention cannot run this layer (None: it can)."""
+    if kwargs.get("sliding_window") is not None:
+        return "the layer attends over a sliding window"
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        return f"query {tuple(query.shape)} and key {tuple(key.shape)} are not one packed row of self-attention"
+    return None
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, flush=True)
 
 
 def install_sdpa_packed() -> None:
@@ -261,9 +285,6 @@ def packed_logits(model, packed: PackedRows) -> torch.Tensor:
                      f"{len(packed.keep)} indices")
 
 
-_FALLBACKS_SAID: set[str] = set()
-
-
 @contextlib.contextmanager
 def fused_head(model, labels: torch.Tensor, temperature: float, chunk_size: int | None, entropy: str | None):
     """For the forward inside it, the model's LM head returns [1, L, 1] log-probs of `labels` (or [1, L, 2]: log-prob
@@ -285,10 +306,8 @@ def fused_head(model, labels: torch.Tensor, temperature: float, chunk_size: int 
 def fused_reason(model) -> str | None:
     """Why the fused LM head is not used for this model (None: it is); said once per reason."""
     why = fused_head_reason(model)
-    if why is not None and why not in _FALLBACKS_SAID:
-        _FALLBACKS_SAID.add(why)
-        print(f"[grpo_dist] fused LM head: {why}; the log-prob passes compute the micro-batch's full logits",
-              flush=True)
+    if why is not None:
+        _say_once(f"[grpo_dist] fused LM head: {why}; the log-prob passes compute the micro-batch's full logits")
     return why
 
 

@@ -202,6 +202,7 @@ class GRPOTrainer:
         self._global_group_sizes: list[int] | None = None
         self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
+        self._layouts: dict = {}  # (batch, rows) -> (micro-batch, packed layout) of the current step (_layout)
         # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
         # PPO ratio is against the sampler's (behaviour) log-probs, as in decoupled PPO
         self.async_rollouts = None

@@ -176,3 +176,19 @@ def test_bench_async_colocated_per_token_times_count_the_rows_of_rank_0():
     two = bench.summarise(args, -1, [main, {"rank": 1}])
     assert two["ranks"] == 2  # rank 0's rows: 7 + 10 and 6 + 3 tokens
     assert two["rollout_s_per_token"] == pytest.approx(2.0 / 26) and two["train_s_per_token"] == pytest.approx(4.0 / 26)
+
+
+def test_bench_pass_profile_prints_the_json_line():
+    """bench/pass_profile.py at tiny sizes: the last line carries the issue's figures (attention calls per layer,
+    host syncs per micro-batch, both peaks, seconds per pass); the packed forward runs at most 2 attention calls
+    per layer (one per sequence before)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pass_profile.py"), "--layers", "1", "--hidden",
+                        "32", "--vocab", "500", "--rows", "16", "--cap", "32", "--budget", "1024", "--repeats", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("attention_calls_per_layer", "host_syncs_per_micro_batch", "peak_mib_logprob_pass",
+                "peak_mib_train_micro_batch", "logprob_pass_s", "train_pass_s"):
+        assert key in last, key
+    assert 1 <= last["attention_calls_per_layer"] <= 2
