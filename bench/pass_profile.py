@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
     ap.add_argument("--before", help="another grpo_dist checkout to measure the same way")
+    ap.add_argument("--root", help="measure this grpo_dist checkout instead of the one holding this script (its "
+                                   "figures alone; run two at once to pair them)")
     ap.add_argument("--phase", choices=["counts", "logprob", "train"], help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -249,7 +251,8 @@ def main(argv=None) -> None:
         print(json.dumps(got))
         return
     out = {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "rows": args.rows,
-           "budget": args.budget, "device": args.device, **run_phases(args, HERE.parent)}
+           "budget": args.budget, "device": args.device,
+           **run_phases(args, Path(args.root).resolve() if args.root else HERE.parent)}
     if args.before:
         before = run_phases(args, Path(args.before).resolve())
         out.update({f"before_{k}": v for k, v in before.items()})

@@ -62,15 +62,23 @@ def _tiny(tie=False):
     return model
 
 
-@pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("share", [False, True])
-def test_packed_pass_through_the_fused_head_equals_the_logits_path(tie, share):
+@pytest.mark.parametrize("tie,share,lora", [(False, False, False), (True, True, False), (False, True, True)])
+def test_packed_pass_through_the_fused_head_equals_the_logits_path(tie, share, lora):
     """A packed training pass (float64) through the fused head: log-probs, entropies and every parameter's gradient
     those of today's path (full logits, then selective_log_probs), tied head or not, shared prompts or not; and
     no tensor of [L, V] logits is saved for its backward (the old path saves the logits)."""
     from grpo_dist.logprobs import selective_log_probs_and_entropy
     from grpo_dist.packing import pack_rows, packed_log_probs, packed_logits
     model = _tiny(tie)
+    if lora:
+        from grpo_dist.config import LoraConfig
+        from grpo_dist.lora import apply_lora
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), 0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+        assert not model.lm_head.weight.requires_grad
     batch, _ = fixed_rollout()
     packed = pack_rows(batch.rows(list(range(len(batch)))), share)
     L, V = len(packed.labels), model.config.vocab_size
