@@ -241,22 +241,29 @@ class _HeadLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], step):
             e = s + step
             z, y = _head_chunk(hidden, weight, bias, s, e, t, cap)
-            logp = torch.log_softmax(y, -1)
-            p = logp.exp()
             g = grad_out[s:e, None].to(acc)
             # d logp[label] / dy = onehot(label) - p; d H / dy = -p (logp + H)
-            dy = p * -g
-            dy.scatter_add_(-1, labels[s:e, None], g)
             if ctx.entropy == "grad" and grad_ent is not None:
-                dy.sub_((logp + ent[s:e, None]).mul_(p).mul_(grad_ent[s:e, None].to(acc)))
-            dy.div_(t)
+                logp = torch.log_softmax(y, -1)
+                p = logp.exp()
+                dy = (logp + ent[s:e, None]).mul_(p).mul_(-grad_ent[s:e, None].to(acc))
+                dy.sub_(p.mul_(g))
+            else:
+                dy = torch.softmax(y, -1).mul_(-g)  # in place: one [rows, V] buffer per chunk
+            dy.scatter_add_(-1, labels[s:e, None], g)
+            if t != 1.0:
+                dy.div_(t)
             if cap is not None:  # d softcap(z) / dz = 1 - tanh(z / cap)^2
                 dy.mul_(1 - torch.tanh(z.to(acc) / cap) ** 2)
+            del z, y
             dz = dy.to(hidden.dtype)
             if need_h:
-                grad_h[s:e] = dz @ weight
+                torch.mm(dz, weight, out=grad_h[s:e])
             if need_w:
-                grad_w += (dz.t() @ hidden[s:e]).to(acc)
+                if dz.dtype == acc:  # accumulate in place, no [V, H] temporary per chunk
+                    grad_w.addmm_(dz.t(), hidden[s:e])
+                else:
+                    grad_w += (dz.t() @ hidden[s:e]).to(acc)
             if need_b:
                 grad_b += dy.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
