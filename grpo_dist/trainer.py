@@ -651,7 +651,7 @@ class GRPOTrainer:
         timer = timer or Timer()
         watchdog.set_phase("advantage", self.step + 1)
         self._tokens = {name: PassTokens() for name in PASSES}  # tokens/processed_<pass>, tokens/useful_<pass>
-        self._layouts: dict = {}  # (batch, rows) -> (micro-batch, packed layout), built once per step (_layout)
+        self._layouts = {}  # (batch, rows) -> (micro-batch, packed layout), built once per step (_layout)
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
             shaped, seq_kl = self._kl_shaped_rewards(batch, rewards)
