@@ -414,3 +414,34 @@ def test_bucket_cut_minimises_the_padded_scores():
     assert _bucket_cut(lengths) == min(cost, key=cost.get) == 3
     assert _bucket_cut([7, 7, 7]) == 0  # one batch costs no more
     assert _bucket_cut([9]) == 0
+
+
+def test_a_packed_training_pass_does_not_wait_for_the_device():
+    """With the layout built beforehand (as the trainer does once per step), a packed training micro-batch (fused
+    head, shared prompts, loss, backward) reads nothing back from the device: no item / bool / float / int /
+    tolist / nonzero, except transformers' own packed-sequence check in create_causal_mask (one; the code before
+    read the sequence boundaries back in every layer and built the layout inside every pass)."""
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    from grpo_dist.losses import LossSpec, grpo_loss
+    from grpo_dist.packing import completion_log_probs, pack_rows
+    model = _tiny().train()
+    batch, _ = fixed_rollout()
+    mb = batch.rows(list(range(len(batch))))
+    packed = pack_rows(mb, True)
+    syncs = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist",
+                                                 "nonzero"):
+                syncs.append("".join(traceback.format_stack(limit=3)[:-1]))
+            return func(*args, **(kwargs or {}))
+    adv = torch.linspace(-1, 1, len(mb))
+    with Count():
+        logp, _ = completion_log_probs(model, mb, packed, None, 0.9, None, "metric")
+        terms = grpo_loss(logp, logp.detach(), adv, mb.completion_mask, normaliser=10.0, spec=LossSpec())
+        terms.loss.backward()
+    assert len(syncs) <= 1 and all("masking_utils" in s for s in syncs), syncs

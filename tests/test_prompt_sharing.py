@@ -165,7 +165,11 @@ def _trainer(rank, world_size, overrides):
                               init_distributed(120))
     batch, rewards = fixed_rollout()
     micro = trainer._micro_batches(batch, list(range(len(batch))))
+    from grpo_dist import trainer as trainer_module
+    built, pack_rows = [], trainer_module.pack_rows
+    trainer_module.pack_rows = lambda *a, **k: built.append(1) or pack_rows(*a, **k)  # layouts built this step
     m = trainer.learn(batch, rewards)
+    m["_layouts_built"] = len(built)
     sd, _ = trainer.engine.gather_full_state()
     return trainer.share_prompts, out.getvalue(), micro, m, {k: v.clone() for k, v in sd.items()}
 
@@ -173,11 +177,14 @@ def _trainer(rank, world_size, overrides):
 @pytest.mark.slow
 def test_trainer_with_shared_prompts_equals_without(tmp_path):
     """One learn step (reference, old and 2 training passes) with share_prompts on and off: the same weights and
-    metrics within 1e-5; tokens/shared_* written out from the micro-batches (each prompt computed once per
-    micro-batch instead of once per row); on eager attention it falls back with one line."""
+    metrics within 1e-5; each micro-batch's packed layout built once for all four passes; tokens/shared_* written
+    out from the micro-batches (each prompt computed once per micro-batch instead of once per row); on eager
+    attention it falls back with one line."""
     on, _, micro, m1, sd1 = run_ranks(_trainer, 1, tmp_path, ["share_prompts=true"])[0]
     off, _, _, m0, sd0 = run_ranks(_trainer, 1, tmp_path, ["share_prompts=false"])[0]
     assert on and not off
+    # the reference, old and both training passes read one layout per micro-batch, built once in the step
+    assert m1["_layouts_built"] == m0["_layouts_built"] == sum(1 for idx in micro if idx)
     assert max((sd0[k] - sd1[k]).abs().max().item() for k in sd0) <= TOL
     for key in ("loss", "kl", "entropy", "clip_fraction", "ratio_mean", "policy_loss", "grad_norm"):
         assert abs(m0[key] - m1[key]) <= TOL * max(1.0, abs(m0[key])), key
