@@ -171,3 +171,112 @@ def token_entropy(logits: torch.Tensor, chunk_size: int | None = None) -> torch.
         lp = torch.log_softmax(flat[s:s + chunk_size].to(out.dtype), dim=-1)
         out[s:s + chunk_size] = -(lp.exp() * lp).sum(-1)
     return out.view(logits.shape[:-1])
+
+
+# Fused LM head (issue 37): log-probs straight from the hidden states, chunk by chunk, so the [L, V] logits of a
+# micro-batch never exist at once (today's logits of 8192 tokens at vocabulary 151,936 are 2.4 GB in bf16, and a
+# second copy in the backward). Model families whose head is a plain Linear on the last hidden state, with nothing
+# applied to the logits after it (checked in transformers' modeling code of each).
+FUSED_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fused_head_reason(model) -> str | None:
+    """Why head_log_probs cannot stand in for this model's LM head (None: it can)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in FUSED_HEAD_MODELS:
+        return f"model_type {kind!r} is not one of {', '.join(FUSED_HEAD_MODELS)}"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:
+        return f"the output embedding is a {type(head).__name__}, not a plain Linear (LoRA on lm_head, or wrapped)"
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "the model soft-caps its logits after the head"
+    return None
+
+
+def _head_chunk(hidden, weight, bias, s, e, temperature, softcap):
+    """(z, y): rows s:e of the head's logits in its own dtype, and y = softcap(z) / temperature in fp32 (fp64 for
+    an fp64 model), as selective_log_probs would see them."""
+    z = torch.nn.functional.linear(hidden[s:e], weight, bias)
+    y = z.to(_out_dtype(z))
+    if softcap is not None:
+        y = torch.tanh(y / softcap) * softcap
+    return z, (y / temperature if temperature != 1.0 else y)
+
+
+class _HeadLogProb(torch.autograd.Function):
+    """log_softmax(softcap(hidden @ weight.T + bias) / t)[label] (and the entropy) chunk by chunk; the backward
+    recomputes each chunk's logits, so only one chunk of [rows, V] exists at a time in either direction."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, softcap, entropy):
+        rows = hidden.shape[0]
+        # chunk_size rows (None: 4x selective_log_probs' cap on a CPU, so each chunk's matmul reads the head's
+        # weight for more than a few dozen rows)
+        step = _rows_per_chunk(chunk_size, weight.shape[0] // (4 if hidden.device.type == "cpu" else 1),
+                               hidden.device)
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        out = torch.empty(rows, dtype=dtype, device=hidden.device)
+        ent = torch.empty(rows, dtype=dtype, device=hidden.device)
+        for s in range(0, rows, step):
+            logp = torch.log_softmax(_head_chunk(hidden, weight, bias, s, s + step, temperature, softcap)[1], -1)
+            out[s:s + step] = logp.gather(-1, labels[s:s + step, None]).squeeze(-1)
+            if entropy is not None:
+                ent[s:s + step] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, ent)
+        ctx.step, ctx.t, ctx.softcap, ctx.entropy = step, temperature, softcap, entropy
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent):
+        hidden, weight, bias, labels, ent = ctx.saved_tensors
+        t, cap, step = ctx.t, ctx.softcap, ctx.step
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], step):
+            e = s + step
+            z, y = _head_chunk(hidden, weight, bias, s, e, t, cap)
+            g = grad_out[s:e, None].to(acc)
+            # d logp[label] / dy = onehot(label) - p; d H / dy = -p (logp + H)
+            if ctx.entropy == "grad" and grad_ent is not None:
+                logp = torch.log_softmax(y, -1)
+                p = logp.exp()
+                dy = (logp + ent[s:e, None]).mul_(p).mul_(-grad_ent[s:e, None].to(acc))
+                dy.sub_(p.mul_(g))
+            else:
+                dy = torch.softmax(y, -1).mul_(-g)  # in place: one [rows, V] buffer per chunk
+            dy.scatter_add_(-1, labels[s:e, None], g)
+            if t != 1.0:
+                dy.div_(t)
+            if cap is not None:  # d softcap(z) / dz = 1 - tanh(z / cap)^2
+                dy.mul_(1 - torch.tanh(z.to(acc) / cap) ** 2)
+            del z, y
+            dz = dy.to(hidden.dtype)
+            if need_h:
+                torch.mm(dz, weight, out=grad_h[s:e])
+            if need_w:
+                if dz.dtype == acc:  # accumulate in place, no [V, H] temporary per chunk
+                    grad_w.addmm_(dz.t(), hidden[s:e])
+                else:
+                    grad_w += (dz.t() @ hidden[s:e]).to(acc)
+            if need_b:
+                grad_b += dy.sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   temperature: float = 1.0, chunk_size: int | None = None, softcap: float | None = None,
+                   entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [L, H] (the last hidden states of the positions that predict `labels` [L]), the LM head's weight
+    [V, H] and bias -> (log_softmax(softcap(hidden @ weight.T + bias) / temperature)[label] [L] in fp32 (fp64 for
+    fp64), entropy [L] or None). entropy: None, "metric" (no gradient) or "grad" (differentiable). The logits are
+    made in the head's dtype as the model's own head would, then scored in fp32, chunk_size rows at a time (as
+    selective_log_probs); no [L, V] tensor exists at once, in the forward or the backward."""
+    logp, ent = _HeadLogProb.apply(hidden, weight, bias, labels.long(), temperature, chunk_size, softcap, entropy)
+    return logp, (ent if entropy is not None else None)

@@ -1,14 +1,20 @@
-"""Shared prompts in the packed passes (config key share_prompts): the G completions of one prompt attend to one copy
-of its tokens, so a group costs prompt + the completions' tokens instead of G x (prompt + completion).
+"""Shared prompts in the packed passes (config key share_prompts): the G completions of one prompt read one copy
+of its tokens, so a group costs prompt + the completions' tokens instead of G x (prompt + completion) in every
+layer's projections and MLP.
 
 GRPO samples num_generations completions of every prompt, and the reference, old-policy and training passes run
 each row's prompt again: with a chat template and a short answer the prompt is most of every row (the real-model
 demo: 42 prompt tokens against ~13 completion tokens, 76 % of the tokens computed). Packed (packing.py), a group
 of rows that share a prompt becomes one prefix segment (positions 0..p-1) followed by its completions (positions
-p..p+c-1 each), and the attention of a completion reads the prefix's keys and values and its own, causally:
+p..p+c-1 each):
 
     stream   [ prompt A | a1 | a2 | a3 ][ prompt B | b1 | b2 ] ...
     a2 sees  [ prompt A |    | a2 |    ]                           (a2 causal over itself)
+
+In the attention (packing.py: one call per layer over "attention rows"), each completion is one row made of the
+prefix's keys, values and queries followed by its own: plain causal attention over [prompt, completion]. The
+prefix's queries are attended again in each row (only the attention scores, not the projections or the MLP) and
+the first row's outputs are the ones kept, so no mask is needed and no completion reads another.
 
 The first completion token of every row is predicted from the prefix's last position (logits_to_keep may name a
 position several times). Everything per row downstream (log-probs, entropies, the loss, its gradient) is the same
@@ -17,34 +23,19 @@ computes at those positions (same tokens, same positions), and the gradient that
 over the rows that read it, which is what separate rows add up in the weights (tests/test_prompt_sharing.py: 1e-5
 in fp32 on the tiny and the real model).
 
-Only packing.py's sdpa function can run this attention (one sdpa call per prefix, and per group of completions
-with a small boolean mask built once per micro-batch, not per layer); a model whose attention does not reach it
-would silently compute something else, so a forward that did not consume its plan raises. Pure tensor code.
+Only packing.py's sdpa function can run this attention; a model whose attention does not reach it would silently
+compute something else, so a shared forward that did not consume its plan raises. Pure tensor code.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
-# Completions of one group go into one attention call while its mask (queries x keys) stays under this many
-# elements; past it, each completion gets its own call (long completions: the mask and the attention scores of one
-# call stay bounded).
-MAX_MASK_ELEMENTS = 1 << 22
-
-
-class AttentionPlan:
-    """The attention calls of one packed forward, built once and read by every layer: each call is (first query,
-    end query, key ranges, mask [queries, keys] bool or None for plain causal). The calls' query ranges tile the
-    stream in order. `consumed` counts the layers that ran the plan (a forward that never did is refused)."""
-
-    def __init__(self, calls: list[tuple[int, int, list[tuple[int, int]], torch.Tensor | None]]):
-        self.calls = calls
-        self.consumed = 0
-        # every boundary of a query or key range: the stream is split there once per layer (_pieces)
-        self.points = sorted({p for qs, qe, ranges, _ in calls for p in (qs, qe, *(x for r in ranges for x in r))})
+# an attention row: its stream ranges in order (attended as one causal sequence) and the first of its positions
+# whose output it owns (the rows after a group's first re-attend the prompt but keep only their completion)
+Row = tuple[list[tuple[int, int]], int]
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -68,40 +59,19 @@ def group_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[
 
 @dataclass
 class SharedLayout:
-    """What pack_rows needs to build the stream of a micro-batch whose rows share prompts."""
+    """What pack_rows needs to build the stream of a micro-batch whose rows share prompts (host lists)."""
     input_ids: list[int] = field(default_factory=list)
     position_ids: list[int] = field(default_factory=list)
     keep: dict[int, list[int]] = field(default_factory=dict)  # row -> stream positions predicting its tokens
-    calls: list = field(default_factory=list)
-
-
-def _completion_calls(start: int, prefix: tuple[int, int], lens: list[int], device) -> list:
-    """Attention calls for completions laid out from `start`, of lengths `lens`, all reading `prefix`: as many
-    completions per call as MAX_MASK_ELEMENTS allows, each causal over itself and reading the whole prefix."""
-    calls, i, p = [], 0, prefix[1] - prefix[0]
-    while i < len(lens):
-        j, q = i + 1, lens[i]
-        while j < len(lens) and (q + lens[j]) * (p + q + lens[j]) <= MAX_MASK_ELEMENTS:
-            q += lens[j]
-            j += 1
-        mask = torch.zeros(q, p + q, dtype=torch.bool, device=device)
-        mask[:, :p] = True
-        off = 0
-        for n in lens[i:j]:
-            mask[off:off + n, p + off:p + off + n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            off += n
-        calls.append((start, start + q, [prefix, (start, start + q)], mask))
-        start += q
-        i = j
-    return calls
+    rows: list[Row] = field(default_factory=list)  # the attention rows (module docstring)
 
 
 def shared_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                   completion_mask: torch.Tensor) -> SharedLayout:
-    """The packed stream with one prompt per group: a group of one row is its prompt and completion as one causal
-    segment; a larger group is its prompt, then its rows' completions (module docstring)."""
+    """The packed stream with one prompt per group (host tensors): a group of one row is its prompt and completion
+    as one causal segment; a larger group is its prompt, then its rows' completions, each completion one attention
+    row over [prompt, completion] (module docstring)."""
     out = SharedLayout()
-    device = prompt_ids.device
     for group in prompt_groups(prompt_ids, prompt_mask):
         prompt = prompt_ids[group[0]][prompt_mask[group[0]].bool()].tolist()
         p = len(prompt)
@@ -112,54 +82,20 @@ def shared_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
             out.input_ids += prompt + comps[0]
             out.position_ids += list(range(p + c))
             out.keep[group[0]] = list(range(start + p - 1, start + p + c - 1))
-            out.calls.append((start, start + p + c, [(start, start + p + c)], None))
+            out.rows.append(([(start, start + p + c)], 0))
             continue
         out.input_ids += prompt
         out.position_ids += list(range(p))
-        out.calls.append((start, start + p, [(start, start + p)], None))
-        at, lens = start + p, []
+        at, first = start + p, True
         for r, comp in zip(group, comps):
             c = len(comp)
             out.input_ids += comp
             out.position_ids += list(range(p, p + c))
             out.keep[r] = ([start + p - 1] + list(range(at, at + c - 1))) if c else []
+            if c:  # the group's first row owns the prompt's outputs, the others only their completion's
+                out.rows.append(([(start, start + p), (at, at + c)], 0 if first else p))
+                first = False
             at += c
-            if c:
-                lens.append(c)
-        out.calls += _completion_calls(start + p, (start, start + p), lens, device)
+        if first:  # no completion token in the group: the prompt alone
+            out.rows.append(([(start, start + p)], 0))
     return out
-
-
-def shared_attention(module, query, key, value, plan: AttentionPlan, sdpa, **kwargs):
-    """The attention of a shared-prompt stream (query/key/value [1, heads, T, dim]): `sdpa` (transformers' sdpa
-    attention function) once per call of the plan, the outputs back in stream order."""
-    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or kwargs.get("sliding_window") is not None:
-        raise ValueError("share_prompts: a shared-prompt forward needs one packed row of self-attention without a "
-                         f"sliding window (query {tuple(query.shape)}, key {tuple(key.shape)}, sliding_window "
-                         f"{kwargs.get('sliding_window')}); set share_prompts=false")
-    queries, keys, values = (_pieces(x, plan.points) for x in (query, key, value))
-    out = []
-    for qs, qe, ranges, mask in plan.calls:
-        q = _join(queries, plan.points, [(qs, qe)])
-        k, v = _join(keys, plan.points, ranges), _join(values, plan.points, ranges)
-        if mask is None:
-            out.append(sdpa(module, q, k, v, None, is_causal=True, **kwargs)[0])
-        else:
-            out.append(sdpa(module, q, k, v, mask[None, None], is_causal=False, **kwargs)[0])
-    plan.consumed += 1
-    return torch.cat(out, dim=1), None  # [1, T, heads, dim], as sdpa_attention_forward returns
-
-
-def _pieces(x: torch.Tensor, points: list[int]) -> dict[int, torch.Tensor]:
-    """x [1, heads, T, dim] split at the plan's points, by start. One split, not a slice per call: a slice's
-    backward writes its gradient into a zero tensor the size of the whole stream, so a plan of N calls would cost
-    N such tensors per layer (quadratic in the sequences of a micro-batch); split's backward is one concatenation."""
-    sizes = [b - a for a, b in zip(points[:-1], points[1:])]
-    return dict(zip(points[:-1], x.split(sizes, dim=2)))
-
-
-def _join(pieces: dict[int, torch.Tensor], points: list[int], ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The stream's positions of `ranges`, in order, from its pieces."""
-    parts = [pieces[points[i]] for a, b in ranges for i in range(bisect.bisect_left(points, a),
-                                                                    bisect.bisect_left(points, b))]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

@@ -47,10 +47,9 @@ from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
-from grpo_dist.logprobs import selective_log_probs, selective_log_probs_and_entropy
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger, MetricsWriteError
-from grpo_dist.packing import PassTokens, completion_forward, fallback_line, share_prompts_reason
+from grpo_dist.packing import PassTokens, completion_log_probs, fallback_line, pack_rows, share_prompts_reason
 from grpo_dist.prompt_sharing import group_order, prompt_groups
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
                               load_tokenizer, materialize_meta, reward_dtype)
@@ -75,6 +74,11 @@ class NonFiniteError(RuntimeError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on every completion of a step."""
+
+
+def _detached(x):
+    """A metric term as a device value without gradient (losses.py may give tensors or plain numbers)."""
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 class Timer:
@@ -199,6 +203,7 @@ class GRPOTrainer:
         self._global_group_sizes: list[int] | None = None
         self._group_sizes: list[int] | None = None
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
+        self._layouts: dict = {}  # (batch, rows) -> (micro-batch, packed layout) of the current step (_layout)
         # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
         # objective is decoupled PPO: clipped around the proximal policy (this step's weights, a no-grad pass),
         # weighted by proximal / behaviour (the sampler's log-probs), truncated at sampler_correction_cap
@@ -690,6 +695,7 @@ class GRPOTrainer:
         timer = timer or Timer()
         watchdog.set_phase("advantage", self.step + 1)
         self._tokens = {name: PassTokens() for name in PASSES}  # tokens/processed_<pass>, tokens/useful_<pass>
+        self._layouts = {}  # (batch, rows) -> (micro-batch, packed layout), built once per step (_layout)
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
             shaped, seq_kl = self._kl_shaped_rewards(batch, rewards)
@@ -841,11 +847,19 @@ class GRPOTrainer:
                     count.processed += EMPTY_PASS_TOKENS
                     out.append(None)
                     continue
-                mb = batch.rows(idx)
-                logits, labels, to_rows = completion_forward(model, mb, self.padding_free, count, self.share_prompts)
-                out.append(to_rows(selective_log_probs(logits, labels, self.cfg.logprob_chunk_size,
-                                                       self.cfg.temperature)))
+                mb, packed = self._layout(batch, idx)
+                out.append(completion_log_probs(model, mb, packed, count, self.cfg.temperature,
+                                                self.cfg.logprob_chunk_size)[0])
         return out
+
+    def _layout(self, batch: RolloutBatch, idx: list[int]):
+        """(micro-batch, packed layout or None) of these rows, built once per step from host copies and read by the
+        reference, old and training passes and every iteration (no host sync inside a pass)."""
+        key = (id(batch), tuple(idx))
+        if key not in self._layouts:
+            mb = batch.rows(idx)
+            self._layouts[key] = (batch, mb, pack_rows(mb, self.share_prompts) if self.padding_free else None)
+        return self._layouts[key][1:]
 
     # update
     def _update(self, batch: RolloutBatch, micro: list[list[int]], advantages: torch.Tensor, normaliser: float,
@@ -863,23 +877,25 @@ class GRPOTrainer:
         iteration adds the SFT micro-batch's forward / backward on every rank; its step applies even when no rank
         trains an RL row."""
         cfg = self.cfg
+        # metric sums stay on the device (0-dim tensors once added to) and are read once, in _step_metrics
         sums = dict(loss=0.0, pg=0.0, kl=reward_kl, clipped=0.0, ratio=0.0, entropy=0.0,
                     sampler_diff=0.0, sampler_kl=0.0, is_weight=0.0, dual_clipped=0.0)
         grad_norms, applied, cause = [], 0, None
         for it in range(cfg.num_iterations):
-            finite = True
+            bad = torch.zeros((), dtype=torch.bool, device=self.ctx.device)  # a non-finite loss, read at the vote
             for idx, ref, old in zip(micro, ref_logps, old_logps):
                 if idx:
-                    finite &= self._train_micro_batch(batch.rows(idx), advantages[idx], normaliser, ref, old, it, sums)
+                    bad = bad | self._train_micro_batch(self._layout(batch, idx), advantages[idx], normaliser, ref,
+                                                        old, it, sums)
                 else:
                     self._empty_backward()
             if self.sft is not None and sft is not None:
-                finite &= self.sft.backward(self.engine, sft, it == 0)
+                bad = bad | (not self.sft.backward(self.engine, sft, it == 0))
             faults.inject("kill", self.step + 1, self.ctx.rank)
             faults.inject("stop", self.step + 1, self.ctx.rank)
             faults.inject("sigint", self.step + 1, self.ctx.rank)
             faults.inject("term", self.step + 1, self.ctx.rank)
-            seen = self._nonfinite_vote(not finite)
+            seen = self._nonfinite_vote(bool(bad))
             skip = seen is not None or (normaliser == 0 and sft is None)
             before_sq = 0.0 if skip else nonfinite.parameter_norm_sq(self._trainable())
             result = self.engine.step(skip=skip)
@@ -918,17 +934,20 @@ class GRPOTrainer:
                 f"stopping before any checkpoint holds them. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "
                 f"Lower learning_rate{self._precision_advice()}")
 
-    def _train_micro_batch(self, mb: RolloutBatch, advantages: torch.Tensor, normaliser: float,
-                           ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, it: int, sums: dict) -> bool:
-        """Forward, loss and backward of one micro-batch at iteration `it`; its metric terms are added to sums.
-        Returns whether its loss was finite."""
+    def _train_micro_batch(self, layout, advantages: torch.Tensor, normaliser: float,
+                           ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, it: int,
+                           sums: dict) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch (its _layout) at iteration `it`; its metric terms are added
+        to sums (on the device). Returns whether its loss was non-finite, as a device flag: nothing here waits for
+        the device."""
         first = it == 0
-        logits, labels, to_rows = completion_forward(self.engine.module, mb, self.padding_free, self._tokens["train"],
-                                                     self.share_prompts)
-        logp, entropy = self._logp_and_entropy(logits, labels, first)
-        logp, entropy = to_rows(logp), (to_rows(entropy) if entropy is not None else None)  # [rows, C] from here
+        mb, packed = layout
+        cfg = self.cfg
+        want = "grad" if cfg.entropy_coef != 0.0 else ("metric" if first else None)
+        logp, entropy = completion_log_probs(self.engine.module, mb, packed, self._tokens["train"], cfg.temperature,
+                                             cfg.logprob_chunk_size, want)  # [rows, C]
         if first and entropy is not None:
-            sums["entropy"] += float((entropy.detach() * mb.completion_mask).sum())
+            sums["entropy"] += (entropy.detach() * mb.completion_mask).sum()
         c = logp.shape[1]
         old = old_logp[:, :c] if old_logp is not None else logp.detach()  # stale rollouts: the proximal policy
         ref = ref_logp[:, :c] if ref_logp is not None else None
@@ -939,20 +958,20 @@ class GRPOTrainer:
         loss = terms.loss * self.ctx.world_size
         if faults.inject("nan", self.step + 1, self.ctx.rank):
             loss = loss * float("nan")
-        finite = bool(torch.isfinite(loss.detach()))
+        bad = ~torch.isfinite(loss.detach())
         self.engine.backward(loss)
         if faults.inject("nan_grad", self.step + 1, self.ctx.rank):
             for p in self._trainable():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         if first:
-            sums["loss"] += float(terms.loss.detach())
-            sums["pg"] += float(terms.pg_sum)
-            sums["kl"] += float(terms.kl_sum)
-        sums["clipped"] += float(terms.clipped_sum)
-        sums["dual_clipped"] += float(terms.dual_clipped_sum) if terms.dual_clipped_sum is not None else 0.0
-        sums["ratio"] += float(terms.ratio_sum)
-        return finite
+            sums["loss"] += terms.loss.detach()
+            sums["pg"] += _detached(terms.pg_sum)
+            sums["kl"] += _detached(terms.kl_sum)
+        sums["clipped"] += _detached(terms.clipped_sum)
+        sums["dual_clipped"] += _detached(terms.dual_clipped_sum) if terms.dual_clipped_sum is not None else 0.0
+        sums["ratio"] += _detached(terms.ratio_sum)
+        return bad
 
     def _loss_spec(self) -> LossSpec:
         """The loss's settings from the config; beta is 0 unless the KL term is in the loss."""
@@ -962,18 +981,6 @@ class GRPOTrainer:
                         importance_sampling_level=cfg.importance_sampling_level,
                         dual_clip_c=cfg.effective_dual_clip_c,
                         entropy_coef=cfg.entropy_coef, max_completion_length=cfg.max_completion_length)
-
-    def _logp_and_entropy(self, logits, labels: torch.Tensor, want_entropy: bool):
-        """Training-pass log-probs of the labels, and the token entropy: with gradient for the entropy bonus, else a
-        no-grad metric (first iteration only; None otherwise)."""
-        cfg = self.cfg
-        if cfg.entropy_coef != 0.0:
-            return selective_log_probs_and_entropy(logits, labels, cfg.logprob_chunk_size,
-                                                   cfg.temperature, overwrite_logits=True)
-        entropy = torch.empty(labels.shape, device=logits.device) if want_entropy else None
-        logp = selective_log_probs(logits, labels, cfg.logprob_chunk_size, cfg.temperature,
-                                   overwrite_logits=True, entropy_out=entropy)
-        return logp, entropy
 
     @torch.no_grad()
     def _sampler_terms(self, mb: RolloutBatch, old: torch.Tensor, sums: dict | None) -> torch.Tensor | None:
@@ -991,11 +998,11 @@ class GRPOTrainer:
         if mode != "none":
             weights = truncated_is_weights(old, sampler, mask, mode, self.cfg.sampler_correction_cap)
         if sums is not None:
-            sums["sampler_diff"] += float(((old - sampler).abs() * mask).sum())
+            sums["sampler_diff"] += ((old - sampler).abs() * mask).sum()
             # KL(sampler || trainer), k3, in float64: for differences ~1e-5 fp32 rounding would swamp its ~d^2/2
-            sums["sampler_kl"] += float((k3_kl(sampler.double(), old.double()) * mask).sum())
+            sums["sampler_kl"] += (k3_kl(sampler.double(), old.double()) * mask).sum()
             if weights is not None:
-                sums["is_weight"] += float((weights * mask).sum())
+                sums["is_weight"] += (weights * mask).sum()
         return weights
 
     def _empty_inputs(self) -> dict:

@@ -194,3 +194,19 @@ def test_decode_ops_counts_within_the_bars():
     assert last["kernels_per_layer"] <= 20, last  # bf16: the most (fp32 needs no casts)
     assert 0 < last["host_syncs_per_step"] <= 0.125, last
     assert last["kernels_per_step"] >= 2 * last["kernels_per_layer"], last
+
+
+def test_bench_pass_profile_prints_the_json_line():
+    """bench/pass_profile.py at tiny sizes: the last line carries the issue's figures (attention calls per layer,
+    host syncs per micro-batch, both peaks, seconds per pass); the packed forward runs at most 2 attention calls
+    per layer (one per sequence before)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pass_profile.py"), "--layers", "1", "--hidden",
+                        "32", "--vocab", "500", "--rows", "16", "--cap", "32", "--budget", "1024", "--repeats", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("attention_calls_per_layer", "host_syncs_per_micro_batch", "peak_mib_logprob_pass",
+                "peak_mib_train_micro_batch", "logprob_pass_s", "train_pass_s"):
+        assert key in last, key
+    assert 1 <= last["attention_calls_per_layer"] <= 2

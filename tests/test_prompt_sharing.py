@@ -27,8 +27,9 @@ def test_shared_layout_holds_each_prompt_once():
     """Written out: per prompt (in order of first appearance) its real tokens at positions 0..p-1, then each of its
     rows' completion at positions p..p+c-1; a row's first token is predicted from the prompt's last position, its
     others from its own; the attention calls tile the stream, and a completion's mask reads the whole prompt and
-    itself causally, never another completion."""
+    itself causally, never another completion (each completion one attention row after the prompt's copy)."""
     from grpo_dist.packing import pack_rows, unpack
+    from grpo_dist.prompt_sharing import shared_layout
     batch, _ = fixed_rollout()
     mb = batch.rows([4, 0, 5, 1, 9])  # rows 0, 1 share prompt 0; 4, 5 prompt 1; 9 is alone (prompt 2)
     packed = pack_rows(mb, share_prompts=True)
@@ -49,39 +50,16 @@ def test_shared_layout_holds_each_prompt_once():
     assert packed.input_ids.tolist() == [ids] and packed.position_ids.tolist() == [pos]
     assert packed.keep.tolist() == [k for r in range(len(mb)) for k in keep[r]]
     assert packed.labels.tolist() == [t for r in range(len(mb)) for t in comp[r]]
-    calls = packed.plan.calls
-    assert calls[0][0] == 0 and calls[-1][1] == len(ids)
-    assert all(a[1] == b[0] for a, b in zip(calls, calls[1:]))
-    # the completions of prompt 1 (mb rows 0 and 2): one call, keys = the prompt then both completions
-    p1 = len(prompt[0])
-    qs, qe, ranges, mask = calls[1]
-    n0, n2 = len(comp[0]), len(comp[2])
-    assert (qs, qe) == (p1, p1 + n0 + n2) and ranges == [(0, p1), (p1, p1 + n0 + n2)]
-    want = torch.zeros(n0 + n2, p1 + n0 + n2, dtype=torch.bool)
-    want[:, :p1] = True
-    want[:n0, p1:p1 + n0] = torch.ones(n0, n0).tril().bool()
-    want[n0:, p1 + n0:] = torch.ones(n2, n2).tril().bool()
-    assert torch.equal(mask, want)
-    # the row alone is one causal segment of its prompt and completion
-    assert calls[-1][2] == [(calls[-1][0], calls[-1][1])] and calls[-1][3] is None
+    # the attention rows: prompt 1 (mb rows 0, 2) then each of its completions, the first row owning the prompt
+    p1, n0, n2 = len(prompt[0]), len(comp[0]), len(comp[2])
+    layout = shared_layout(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+    assert layout.rows[:2] == [([(0, p1), (p1, p1 + n0)], 0), ([(0, p1), (p1 + n0, p1 + n0 + n2)], p1)]
+    end = len(ids)
+    alone = len(prompt[4]) + len(comp[4])
+    assert layout.rows[-1] == ([(end - alone, end)], 0)  # the row alone: one causal segment
+    assert packed.plan.shared and packed.plan.calls <= 2
     values = torch.arange(len(packed.labels), dtype=torch.float32) + 1
     assert torch.equal(unpack(values, packed)[mb.completion_mask.bool()], values)
-
-
-def test_long_completions_get_a_call_each():
-    """Past MAX_MASK_ELEMENTS a group's completions are attended one call each (bounded masks)."""
-    from grpo_dist import prompt_sharing
-    calls = prompt_sharing._completion_calls(10, (0, 10), [5, 6, 7], "cpu")
-    assert [(a, b) for a, b, _, _ in calls] == [(10, 28)]
-    old = prompt_sharing.MAX_MASK_ELEMENTS
-    try:
-        prompt_sharing.MAX_MASK_ELEMENTS = 11 * 21 - 1  # 5 + 6 queries over 10 + 11 keys no longer fit
-        calls = prompt_sharing._completion_calls(10, (0, 10), [5, 6, 7], "cpu")
-    finally:
-        prompt_sharing.MAX_MASK_ELEMENTS = old
-    assert [(a, b) for a, b, _, _ in calls] == [(10, 15), (15, 21), (21, 28)]
-    assert [r for _, _, r, _ in calls] == [[(0, 10), (10, 15)], [(0, 10), (15, 21)], [(0, 10), (21, 28)]]
-    assert torch.equal(calls[1][3], torch.cat([torch.ones(6, 10), torch.ones(6, 6).tril()], 1).bool())
 
 
 def _shared_vs_plain(model, mb, temperature=0.9):
@@ -187,7 +165,11 @@ def _trainer(rank, world_size, overrides):
                               init_distributed(120))
     batch, rewards = fixed_rollout()
     micro = trainer._micro_batches(batch, list(range(len(batch))))
+    from grpo_dist import trainer as trainer_module
+    built, pack_rows = [], trainer_module.pack_rows
+    trainer_module.pack_rows = lambda *a, **k: built.append(1) or pack_rows(*a, **k)  # layouts built this step
     m = trainer.learn(batch, rewards)
+    m["_layouts_built"] = len(built)
     sd, _ = trainer.engine.gather_full_state()
     return trainer.share_prompts, out.getvalue(), micro, m, {k: v.clone() for k, v in sd.items()}
 
@@ -195,11 +177,14 @@ def _trainer(rank, world_size, overrides):
 @pytest.mark.slow
 def test_trainer_with_shared_prompts_equals_without(tmp_path):
     """One learn step (reference, old and 2 training passes) with share_prompts on and off: the same weights and
-    metrics within 1e-5; tokens/shared_* written out from the micro-batches (each prompt computed once per
-    micro-batch instead of once per row); on eager attention it falls back with one line."""
+    metrics within 1e-5; each micro-batch's packed layout built once for all four passes; tokens/shared_* written
+    out from the micro-batches (each prompt computed once per micro-batch instead of once per row); on eager
+    attention it falls back with one line."""
     on, _, micro, m1, sd1 = run_ranks(_trainer, 1, tmp_path, ["share_prompts=true"])[0]
     off, _, _, m0, sd0 = run_ranks(_trainer, 1, tmp_path, ["share_prompts=false"])[0]
     assert on and not off
+    # the reference, old and both training passes read one layout per micro-batch, built once in the step
+    assert m1["_layouts_built"] == m0["_layouts_built"] == sum(1 for idx in micro if idx)
     assert max((sd0[k] - sd1[k]).abs().max().item() for k in sd0) <= TOL
     for key in ("loss", "kl", "entropy", "clip_fraction", "ratio_mean", "policy_loss", "grad_norm"):
         assert abs(m0[key] - m1[key]) <= TOL * max(1.0, abs(m0[key])), key
