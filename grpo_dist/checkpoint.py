@@ -379,10 +379,26 @@ def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokeni
     return final
 
 
-def _owned_copy(obj):
-    """obj with every tensor copied into host memory of its own: the training thread may change the originals (a
-    one-process engine's state dicts are its live parameters and moments) while the copy is written."""
-    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), obj)
+def _owned_copy(obj, engine: Engine):
+    """obj with every tensor that shares memory with the engine's live parameters, buffers or optimizer state (a
+    one-process engine's state dicts are its live tensors) copied into host memory of its own: the training thread
+    changes those while the copy is written. The tensors FSDP gathered into host memory are copies already."""
+    live = {t.untyped_storage().data_ptr() for t in _live_tensors(engine)}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        shared = t.device.type != "cpu" or t.untyped_storage().data_ptr() in live
+        return t.detach().to("cpu", copy=True) if shared else t
+    return torch.utils._pytree.tree_map_only(torch.Tensor, own, obj)
+
+
+def _live_tensors(engine: Engine):
+    module, optimizer = getattr(engine, "module", None), getattr(engine, "optimizer", None)
+    if isinstance(module, torch.nn.Module):
+        yield from module.parameters()
+        yield from module.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v))
 
 
 class _Snapshot:
@@ -396,7 +412,7 @@ class _Snapshot:
         else:
             self.model_sd, self.optim_sd = engine.gather_full_state()
             if staged and ctx.is_main:
-                self.model_sd, self.optim_sd = _owned_copy(self.model_sd), _owned_copy(self.optim_sd)
+                self.model_sd, self.optim_sd = _owned_copy((self.model_sd, self.optim_sd), engine)
         self.rng = rng_state()
         self.state_text = json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str)
 

@@ -36,10 +36,11 @@ PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989
 def matmul_params(model: torch.nn.Module) -> int:
     """N above: the parameters that enter a matrix product per token."""
     total = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
     if embed is None:
         return total
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = get_out() if callable(get_out) else None
     tied = head is not None and head.weight is embed.weight
     return total if tied else total - embed.weight.numel()
 

@@ -409,6 +409,8 @@ class GRPOTrainer:
                 if cfg.save_best and cfg.save_best in metrics:
                     watchdog.set_phase("save")
                     self._keep_best(metrics[cfg.save_best], saved)
+                if stop or health.stop:  # _stop_code's line says the checkpoint is written: it must be by then
+                    self._save_metrics.update(self._save_times(wait=True))
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break

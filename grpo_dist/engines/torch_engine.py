@@ -11,6 +11,7 @@ import abc
 import contextlib
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class TorchEngine(Engine):
 
     def __init__(self, cfg, model: torch.nn.Module, ctx):
         super().__init__(cfg, ctx)
-        self._stager = None  # sharded_state_to_save(staged=True)'s, made at the first background save
+        self._stager: Any = None  # sharded_state_to_save(staged=True)'s, made at the first background save
         self._layer_classes = decoder_layer_classes(model)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         self.module = self._wrap(model, trainable=True)
