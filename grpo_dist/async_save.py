@@ -34,7 +34,8 @@ from grpo_dist import distributed as gdist
 class BackgroundSaver:
     """At most one checkpoint write running in a background thread (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s  # of the saver's collectives: distributed.timeout_s, as the training group's
         self._group = None
         self._group_made = False
         self._thread: threading.Thread | None = None
@@ -53,7 +54,7 @@ class BackgroundSaver:
         call: the group is made then."""
         assert self._thread is None, "a save is already in flight: wait() first"
         if not self._group_made:
-            self._group, self._group_made = gdist.new_gloo_group_of_current(), True
+            self._group, self._group_made = gdist.new_gloo_group_of_current(self.timeout_s), True
         self._error, self.path, self._started = None, Path(path), started
         self._thread = threading.Thread(target=self._run, args=(write,), name="grpo_dist-save")
         self._thread.start()

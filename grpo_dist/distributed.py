@@ -139,13 +139,15 @@ def thread_group(g) -> Iterator[None]:
         del _THREAD.group
 
 
-def new_gloo_group_of_current():
+def new_gloo_group_of_current(timeout_s: float):
     """Collective over the current group's ranks only: a gloo group of the same ranks (None without a process
-    group). The rollout ranks of asynchronous GRPO never join it (use_local_synchronization)."""
+    group), whose collectives fail after timeout_s as the trainer's do. The rollout ranks of asynchronous GRPO never
+    join it (use_local_synchronization)."""
     if not dist.is_initialized():
         return None
     ranks = dist.get_process_group_ranks(group() or dist.group.WORLD)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def group_size() -> int:

@@ -176,7 +176,7 @@ class GRPOTrainer:
         self._stop_requested = False
         # async_save: checkpoints written by a background thread (async_save.py); the save metrics go into the
         # next step's line (a save starts after its step's line is logged)
-        self.saver = BackgroundSaver() if cfg.async_save else None
+        self.saver = BackgroundSaver(cfg.distributed.timeout_s) if cfg.async_save else None
         self._save_metrics: dict = {}
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
