@@ -383,12 +383,24 @@ def _owned_copy(obj, engine: Engine):
     """obj with every tensor that shares memory with the engine's live parameters, buffers or optimizer state (a
     one-process engine's state dicts are its live tensors) copied into host memory of its own: the training thread
     changes those while the copy is written. The tensors FSDP gathered into host memory are copies already."""
-    live = {t.untyped_storage().data_ptr() for t in _live_tensors(engine)}
+    live = {_storage_ptr(t) for t in _live_tensors(engine)} - {None}
 
     def own(t: torch.Tensor) -> torch.Tensor:
-        shared = t.device.type != "cpu" or t.untyped_storage().data_ptr() in live
+        ptr = _storage_ptr(t)
+        shared = t.device.type != "cpu" or ptr is None or ptr in live
         return t.detach().to("cpu", copy=True) if shared else t
     return torch.utils._pytree.tree_map_only(torch.Tensor, own, obj)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where t's memory starts (a DTensor's: its local shard's); None where it has no storage of its own."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass without storage, or one FSDP freed
+        return None
 
 
 def _live_tensors(engine: Engine):

@@ -139,15 +139,27 @@ def thread_group(g) -> Iterator[None]:
         del _THREAD.group
 
 
+# The trainer ranks' gloo group for the background checkpoint writer, made with the trainer group where the trainers
+# are a group of their own (async_rollout.setup: every world rank must join the making of a group).
+_SAVE_GROUP = None
+
+
+def use_save_group(g) -> None:
+    global _SAVE_GROUP
+    _SAVE_GROUP = g
+
+
 def new_gloo_group_of_current(timeout_s: float):
-    """Collective over the current group's ranks only: a gloo group of the same ranks (None without a process
-    group), whose collectives fail after timeout_s as the trainer's do. The rollout ranks of asynchronous GRPO never
-    join it (use_local_synchronization)."""
+    """A gloo group of the current group's ranks (None without a process group), whose collectives fail after
+    timeout_s as the trainer's do: the one use_save_group set, else made now over the world (collective: where no
+    trainer group is in use, the trainers are the world)."""
     if not dist.is_initialized():
         return None
-    ranks = dist.get_process_group_ranks(group() or dist.group.WORLD)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    if _SAVE_GROUP is not None:
+        return _SAVE_GROUP
+    if group() is not None:  # a bug: the background writer would run its collectives in the training group
+        raise RuntimeError("a trainer group is in use without a save group (distributed.use_save_group)")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def group_size() -> int:
