@@ -169,12 +169,52 @@ def bench_sigterm() -> None:
           f"workers reported exit code 75: {code75}; torchrun exit code {p.returncode})")
 
 
+def bench_blocking(model: str, repeats: int) -> None:
+    """How long a save holds up training, synchronous (async_save=false) against background (async_save), paired in
+    one process: each round a synchronous save, then a background save followed by one training step while it is
+    written, then the wait for it. model: 'tiny' (the ~21M model above) or an HF directory (one process, full
+    format: its weights and AdamW state)."""
+    import torch
+    torch.set_num_threads(1)
+    from grpo_dist.config import load_config
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.trainer import GRPOTrainer
+    over = [MODEL] if model == "tiny" else [f"model.name_or_path={model}", "model.tiny=null"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, TRAIN + over + [f"output_dir={tmp}", "save_format=full", "save_total_limit=2"])
+        tr = GRPOTrainer(cfg, init_distributed(600))
+        tr.train_step()
+        rows = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            tr.save()
+            sync = time.perf_counter() - t0
+            tr._save_times(wait=True)
+            t0 = time.perf_counter()
+            tr.save(background=True)
+            blocking = time.perf_counter() - t0
+            tr.train_step()  # trains while the checkpoint is written
+            total = tr._save_times(wait=True)["time_save_s"]
+            rows.append((sync, blocking, total))
+        n = sum(p.numel() for p in tr.gen_model.parameters())
+    med = [statistics.median(r[i] for r in rows) for i in range(3)]
+    print(f"{model}: {n / 1e6:.1f}M parameters, full save, one process; median of {repeats} paired rounds: "
+          f"synchronous save blocks {med[0]:.3f} s; background save blocks {med[1]:.3f} s (its own time "
+          f"{med[2]:.3f} s, one training step written over); rounds (sync, blocking, total): "
+          + ", ".join(f"({a:.3f}, {b:.3f}, {c:.3f})" for a, b, c in rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-sigterm", action="store_true")
+    ap.add_argument("--blocking", metavar="MODEL", help="only the blocking time of a save, synchronous against "
+                    "async_save: 'tiny' or an HF model directory")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
+    if args.blocking:
+        bench_blocking(args.blocking, args.repeats)
+        return
     bench_save_load(args.repeats)
     if not args.skip_sigterm:
         bench_sigterm()

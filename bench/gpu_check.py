@@ -178,11 +178,14 @@ def run_steps(tr, upto: int, run: str, save_at: int | None = None) -> list[dict]
                    rollout_tokens_per_s=round(m["completion_tokens_per_s"], 1),
                    train_tokens_per_s=round(train_tokens / max(m["time_logprobs_s"] + m["time_update_s"], 1e-9), 1),
                    loss=m["loss"], kl=m["kl"], grad_norm=m["grad_norm"], eval_accuracy=m.get("eval_accuracy"),
+                   mfu=m.get("mfu"), mfu_update=m.get("mfu_update"), mfu_logprobs=m.get("mfu_logprobs"),
                    peak_gib=peak_gib())
         result(**row)
         rows.append(row)
         if save_at and tr.step == save_at:
-            tr.save()
+            tr.save(background=tr.saver is not None)  # as the training loop saves (async_save)
+    if tr.saver is not None and tr.saver.in_flight():  # in place before anything resumes from it
+        result(stage="save", run=run, **{k: round(v, 3) for k, v in tr._save_times(wait=True).items()})
     return rows
 
 
@@ -537,7 +540,8 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "build": ("kind", "params_m", "tied", "seconds"),
         "init": ("run", "engine", "save_format", "seconds", "peak_gib"),
         "step": ("run", "step", "step_time_s", "rollout_s", "logprobs_s", "update_s", "rollout_tokens_per_s",
-                 "train_tokens_per_s", "peak_gib"),
+                 "train_tokens_per_s", "mfu", "mfu_update", "mfu_logprobs", "peak_gib"),
+        "save": ("run", "time_save_blocking_s", "time_save_s"),
         "phase": ("run", "phase", "calls", "median_s", "peak_gib"),
         "resume": ("format", "ok", "last_loss_equal", "max_weight_diff", "error"),
         "evaluate": ("ok", "seconds", "problems", "accuracy", "peak_gib"),

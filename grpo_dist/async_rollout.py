@@ -132,8 +132,10 @@ def setup(cfg, ctx: gdist.DistContext) -> tuple[Roles, gdist.DistContext]:
     sync = dist.new_group([0, *range(T, W)], timeout=timeout)  # the world's backend (distributed.cuda_device)
     control = dist.new_group(list(range(W)), timeout=timeout, backend="gloo")  # small pickled messages
     _ROLES = Roles(T, R, ctx.rank, float(cfg.distributed.timeout_s), trainer, rollout, sync, control, ctx.device)
+    saves = dist.new_group(list(range(T)), timeout=timeout, backend="gloo")  # the background checkpoint writer's
     if _ROLES.is_trainer:
         gdist.use_group(trainer)
+        gdist.use_save_group(saves)
     return _ROLES, replace(ctx, world_size=T if _ROLES.is_trainer else R)
 
 

@@ -366,46 +366,124 @@ def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokeni
                     save_total_limit: int | None = None, keep: Path | None = None,
                     save_format: str = "full", lora_cfg=None, base_name: str | None = None,
                     check_hashes: bool = False, name: str | None = None,
-                    extra_files: dict[str, str] | None = None) -> Path:
+                    extra_files: dict[str, str] | None = None, background=None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
     writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune
     (check_hashes: the checkpoints pruning keeps are verified by sha256, each once per process).
     A write error on any rank (a full disk: write_errors.py) raises CheckpointError on every rank, naming the last
     good checkpoint; the partial copy is removed and the previous checkpoints are untouched.
     name: write output_dir/<name>/ instead of checkpoint-<step> (the best checkpoint: swapped in for the previous
-    one, never pruned); extra_files: {file name: text} rank 0 writes into it too (listed in the manifest)."""
+    one, never pruned); extra_files: {file name: text} rank 0 writes into it too (listed in the manifest).
+    background: an async_save.BackgroundSaver: first wait for its save in flight (raising its error), then copy the
+    state here and leave the writing, manifest and rename to its thread (engines without supports_async_save:
+    written here, after the wait). Returns the checkpoint's final path (in place once the save is done)."""
     out = Path(output_dir)
     final = out / (name or f"checkpoint-{step}")
     tmp = out / f"{TMP_PREFIX}{name or step}"
-    label = final.name
+    if background is not None:
+        background.wait()  # one save at a time; the previous one's error is raised here if nothing raised it yet
+        if not engine.supports_async_save:
+            background = None
+    started = time.perf_counter()  # this save's own time (time_save_s) starts after that wait
     error = _attempt(tmp, ctx.rank, _make_tmp, out, tmp) if ctx.is_main else None
-    _agree_on_write(error, tmp, out, label, ctx)
-    if save_format == "sharded":  # collective: DCP raises its CheckpointException on every rank alike
-        error = _attempt(tmp / SHARDED_DIR, ctx.rank, engine.save_sharded, tmp / SHARDED_DIR)
-        model_sd = optim_sd = None
+    _agree_on_write(error, tmp, out, final.name, ctx)
+    snap = _Snapshot(engine, save_format, ctx, trainer_state, staged=background is not None)
+    job = _SaveJob(out, final, tmp, step, engine, hf_model, tokenizer, ctx, save_format, save_total_limit, keep,
+                   lora_cfg, base_name, check_hashes, name, extra_files or {}, snap)
+    if background is None:
+        job.run()
     else:
-        model_sd, optim_sd = engine.gather_full_state()
-    if error is None:
-        error = _attempt(tmp, ctx.rank, _write_main_files, tmp, save_format, hf_model, ctx, model_sd, optim_sd,
-                         lora_cfg, base_name, tokenizer)
-    del model_sd, optim_sd
-    # backend-specific state for an exact resume (DeepSpeed: deepspeed/); collective: every rank, whatever happened
-    error = _attempt(tmp, ctx.rank, engine.save_engine_state, tmp) or error
-    if error is None:
-        error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, tokenizer, trainer_state, save_format)
-    if error is None and ctx.is_main and extra_files:
-        error = _attempt(tmp, ctx.rank, _write_texts, tmp, extra_files)
-    faults.inject("kill_save", step, ctx.rank)
-    _agree_on_write(error, tmp, out, label, ctx)  # every rank's files are written
-    _agree_on_write(_write_manifest_collective(tmp, ctx), tmp, out, label, ctx)
-    if not ctx.is_main:
-        error = None
-    elif name:
-        error = _attempt(final, ctx.rank, _swap_in, tmp, final)
-    else:
-        error = _attempt(final, ctx.rank, _publish, tmp, final, save_total_limit, keep, check_hashes)
-    _agree_on_write(error, tmp, out, label, ctx)  # also the barrier: the checkpoint is in place for every rank
+        background.start(job.run, final, started)
     return final
+
+
+def _owned_copy(obj, engine: Engine):
+    """obj with every tensor that shares memory with the engine's live parameters, buffers or optimizer state (a
+    one-process engine's state dicts are its live tensors) copied into host memory of its own: the training thread
+    changes those while the copy is written. The tensors FSDP gathered into host memory are copies already."""
+    live = {_storage_ptr(t) for t in _live_tensors(engine)} - {None}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        ptr = _storage_ptr(t)
+        shared = t.device.type != "cpu" or ptr is None or ptr in live
+        return t.detach().to("cpu", copy=True) if shared else t
+    return torch.utils._pytree.tree_map_only(torch.Tensor, own, obj)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where t's memory starts (a DTensor's: its local shard's); None where it has no storage of its own."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass without storage, or one FSDP freed
+        return None
+
+
+def _live_tensors(engine: Engine):
+    module, optimizer = getattr(engine, "module", None), getattr(engine, "optimizer", None)
+    if isinstance(module, torch.nn.Module):
+        yield from module.parameters()
+        yield from module.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v))
+
+
+class _Snapshot:
+    """What a checkpoint holds, taken on the training thread (collective: the engine's gathers): the full state
+    (rank 0) or this rank's sharded state (staged: copies in host memory), this rank's RNG, the trainer state."""
+
+    def __init__(self, engine: Engine, save_format: str, ctx, trainer_state: dict, staged: bool):
+        self.model_sd = self.optim_sd = self.sharded = None
+        if save_format == "sharded":
+            self.sharded = engine.sharded_state_to_save(staged)
+        else:
+            self.model_sd, self.optim_sd = engine.gather_full_state()
+            if staged and ctx.is_main:
+                self.model_sd, self.optim_sd = _owned_copy((self.model_sd, self.optim_sd), engine)
+        self.rng = rng_state()
+        self.state_text = json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str)
+
+
+class _SaveJob:
+    """The writing part of a save: files, manifest, rename, prune. Runs on the training thread, or on the saver's
+    (async_save.py) with its collectives in the saver's own group: the same steps in the same order either way."""
+
+    def __init__(self, out, final, tmp, step, engine, hf_model, tokenizer, ctx, save_format, save_total_limit, keep,
+                 lora_cfg, base_name, check_hashes, name, extra_files, snap: _Snapshot):
+        self.out, self.final, self.tmp, self.step, self.engine = out, final, tmp, step, engine
+        self.hf_model, self.tokenizer, self.ctx, self.save_format = hf_model, tokenizer, ctx, save_format
+        self.save_total_limit, self.keep, self.lora_cfg, self.base_name = save_total_limit, keep, lora_cfg, base_name
+        self.check_hashes, self.name, self.extra_files, self.snap = check_hashes, name, extra_files, snap
+
+    def run(self) -> None:
+        out, final, tmp, ctx, snap, label = self.out, self.final, self.tmp, self.ctx, self.snap, self.final.name
+        error = None
+        if snap.sharded is not None:  # collective: DCP raises its CheckpointException on every rank alike
+            error = _attempt(tmp / SHARDED_DIR, ctx.rank, self.engine.write_sharded, snap.sharded, tmp / SHARDED_DIR)
+        if error is None:
+            error = _attempt(tmp, ctx.rank, _write_main_files, tmp, self.save_format, self.hf_model, ctx,
+                             snap.model_sd, snap.optim_sd, self.lora_cfg, self.base_name, self.tokenizer)
+        snap.model_sd = snap.optim_sd = snap.sharded = None  # the memory goes back as soon as it is written
+        # backend-specific state for an exact resume (DeepSpeed: deepspeed/); collective: every rank, whatever happened
+        error = _attempt(tmp, ctx.rank, self.engine.save_engine_state, tmp) or error
+        if error is None:
+            error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, self.tokenizer, snap)
+        if error is None and ctx.is_main and self.extra_files:
+            error = _attempt(tmp, ctx.rank, _write_texts, tmp, self.extra_files)
+        faults.inject("kill_save", self.step, ctx.rank)
+        _agree_on_write(error, tmp, out, label, ctx)  # every rank's files are written
+        _agree_on_write(_write_manifest_collective(tmp, ctx), tmp, out, label, ctx)
+        if not ctx.is_main:
+            error = None
+        elif self.name:
+            error = _attempt(final, ctx.rank, _swap_in, tmp, final)
+        else:
+            error = _attempt(final, ctx.rank, _publish, tmp, final, self.save_total_limit, self.keep,
+                             self.check_hashes)
+        _agree_on_write(error, tmp, out, label, ctx)  # also the barrier: the checkpoint is in place for every rank
 
 
 def _write_texts(folder: Path, files: dict[str, str]) -> None:
@@ -421,14 +499,13 @@ def _make_tmp(out: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_rank_files(tmp: Path, ctx, tokenizer, trainer_state: dict, save_format: str) -> None:
-    """Every rank its RNG state; rank 0 the tokenizer and trainer_state.json."""
+def _write_rank_files(tmp: Path, ctx, tokenizer, snap: _Snapshot) -> None:
+    """Every rank its RNG state; rank 0 the tokenizer and trainer_state.json (both as the snapshot took them)."""
     with writing(tmp / f"rng_state_{ctx.rank}.pt"):
-        torch.save(rng_state(), tmp / f"rng_state_{ctx.rank}.pt")
+        torch.save(snap.rng, tmp / f"rng_state_{ctx.rank}.pt")
     if ctx.is_main:
         tokenizer.save_pretrained(tmp)
-        (tmp / "trainer_state.json").write_text(
-            json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str))
+        (tmp / "trainer_state.json").write_text(snap.state_text)
 
 
 def _publish(tmp: Path, final: Path, save_total_limit: int | None, keep: Path | None, check_hashes: bool) -> None:

@@ -234,6 +234,13 @@ class GRPOConfig:
                           "(torch.distributed.checkpoint, every rank writes its shards; export_checkpoint makes "
                           "an HF directory) | auto (full up to 4B parameters, sharded above)",
                           ("auto", "full", "sharded"))
+    peak_flops: Optional[float] = _f(None, "dense bf16 peak FLOP/s of one device, for the mfu metrics (grpo_dist/"
+                                     "flops.py); null: looked up by the CUDA device's name (H100/H200, A100, L4, "
+                                     "...), none on a CPU (mfu is then null)")
+    async_save: bool = _f(True, "write checkpoints in a background thread: training waits only while the state is "
+                          "copied to host memory (the files, fsync, sha256, manifest and rename go on during the next "
+                          "steps; the next save, a stop and the end of training wait for it); false: the whole save "
+                          "blocks (docs/fault-tolerance.md)")
     resume_from_checkpoint: Optional[str] = _f(None, "checkpoint directory to continue from, or 'auto' (the newest "
                                                "intact checkpoint in output_dir, newer damaged ones moved to "
                                                "output_dir/damaged/; start fresh if there is none)")
@@ -474,6 +481,9 @@ class GRPOConfig:
             bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad.append(f"config key 'save_total_limit' must be >= 1 or null, got {self.save_total_limit}")
+        if self.peak_flops is not None and not (0 < self.peak_flops < float("inf")):
+            bad.append(f"config key 'peak_flops' must be a positive FLOP/s figure (e.g. 989e12) or null, got "
+                       f"{self.peak_flops}")
         bad += _save_best_problems(self)
         bad += _eval_tier_problems(self)
         bad += _sft_problems(self)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -118,13 +120,51 @@ def use_group(group) -> None:
     _GROUP = group
 
 
+# A thread's own group (thread_group): the background checkpoint writer (async_save.py) runs its collectives in a
+# gloo group of the same ranks, so that they never interleave with the training thread's in one group.
+_THREAD = threading.local()
+
+
 def group():
-    return _GROUP
+    return getattr(_THREAD, "group", _GROUP)
+
+
+@contextmanager
+def thread_group(g) -> Iterator[None]:
+    """Every collective of this module that the calling thread runs inside the block runs in `g`."""
+    _THREAD.group = g
+    try:
+        yield
+    finally:
+        del _THREAD.group
+
+
+# The trainer ranks' gloo group for the background checkpoint writer, made with the trainer group where the trainers
+# are a group of their own (async_rollout.setup: every world rank must join the making of a group).
+_SAVE_GROUP = None
+
+
+def use_save_group(g) -> None:
+    global _SAVE_GROUP
+    _SAVE_GROUP = g
+
+
+def new_gloo_group_of_current(timeout_s: float):
+    """A gloo group of the current group's ranks (None without a process group), whose collectives fail after
+    timeout_s as the trainer's do: the one use_save_group set, else made now over the world (collective: where no
+    trainer group is in use, the trainers are the world)."""
+    if not dist.is_initialized():
+        return None
+    if _SAVE_GROUP is not None:
+        return _SAVE_GROUP
+    if group() is not None:  # a bug: the background writer would run its collectives in the training group
+        raise RuntimeError("a trainer group is in use without a save group (distributed.use_save_group)")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def group_size() -> int:
     """The number of ranks the trainer's collectives span (1 without a process group)."""
-    return dist.get_world_size(_GROUP) if dist.is_initialized() else 1
+    return dist.get_world_size(group()) if dist.is_initialized() else 1
 
 
 def cleanup() -> None:
@@ -136,7 +176,7 @@ def all_reduce_sum(values: Sequence[float | torch.Tensor] | torch.Tensor, device
     """Element-wise sum over ranks of a float64 vector (one collective for many metrics)."""
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
     if group_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_GROUP)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group())
     return t.cpu()
 
 
@@ -151,7 +191,7 @@ def all_reduce_sum_named(values: Mapping[str, float | torch.Tensor], device: tor
 def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
     if group_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GROUP)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group())
     return t.cpu()
 
 
@@ -162,14 +202,14 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 def barrier() -> None:
     if group_size() > 1:
-        dist.barrier(group=_GROUP)
+        dist.barrier(group=group())
 
 
 def broadcast_object(obj, src: int = 0):
     if group_size() <= 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_GROUP)  # src: a global rank
+    dist.broadcast_object_list(box, src=src, group=group())  # src: a global rank
     return box[0]
 
 
@@ -177,7 +217,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
     """In place: every rank's tensors take rank `src`'s values (same list, same order, on the rank's device)."""
     if group_size() > 1:
         for t in tensors:
-            dist.broadcast(t, src=src, group=_GROUP)
+            dist.broadcast(t, src=src, group=group())
 
 
 def broadcast_state(obj, device: torch.device, src: int = 0):
@@ -205,7 +245,7 @@ def broadcast_state(obj, device: torch.device, src: int = 0):
     def fill(x):
         if isinstance(x, _Slot):
             t = tensors[x.at].to(device) if here else torch.empty(x.shape, dtype=x.dtype, device=device)
-            dist.broadcast(t, src=src, group=_GROUP)
+            dist.broadcast(t, src=src, group=group())
             return t.to(x.device)
         if isinstance(x, dict):
             return {k: fill(v) for k, v in x.items()}
@@ -228,7 +268,7 @@ def gather_object(obj, dst: int = 0) -> list | None:
     if group_size() <= 1:
         return [obj]
     out = [None] * group_size() if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=_GROUP)
+    dist.gather_object(obj, out, dst=dst, group=group())
     return out
 
 
@@ -240,10 +280,10 @@ def all_gather_1d(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     world = group_size()
     sizes = torch.tensor([t.numel()], dtype=torch.long, device=device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes, group=_GROUP)
+    dist.all_gather(all_sizes, sizes, group=group())
     n = [int(s) for s in all_sizes]
     padded = torch.zeros(max(max(n), 1), dtype=t.dtype, device=device)
     padded[:t.numel()] = t
     out = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=_GROUP)
+    dist.all_gather(out, padded, group=group())
     return [o[:k] for o, k in zip(out, n)]

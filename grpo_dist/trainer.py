@@ -32,12 +32,14 @@ import torch
 from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
+from grpo_dist import flops
 from grpo_dist import lora
 from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
 from grpo_dist.async_rollout import RolloutsElsewhere
+from grpo_dist.async_save import BackgroundSaver
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
@@ -144,6 +146,9 @@ class GRPOTrainer:
         self.padding_free = cfg.padding_free and self._can_pack(policy)
         self.share_prompts = self.padding_free and cfg.share_prompts and self._can_share_prompts(policy)
         num_params = sum(p.numel() for p in policy.parameters())
+        # mfu (flops.py): the model's shape before LoRA or a wrapper changes it, and the device's peak
+        self._flops_shape = (flops.matmul_params(policy), *flops.attention_dims(policy.config))
+        self._peak_flops = flops.peak_flops(cfg.peak_flops, ctx.device)
         if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
             lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
             self._untie_replica(lora.adapted_tied_weights(policy))
@@ -170,6 +175,10 @@ class GRPOTrainer:
         self.resumed_from: Path | None = None
         self.was_finished = False  # resumed at max_steps: nothing to train (nothing_to_do)
         self._stop_requested = False
+        # async_save: checkpoints written by a background thread (async_save.py); the save metrics go into the
+        # next step's line (a save starts after its step's line is logged)
+        self.saver = BackgroundSaver(cfg.distributed.timeout_s) if cfg.async_save else None
+        self._save_metrics: dict = {}
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
         # vLLM's engine reseeds the process RNGs when it is built: a resumed run goes on with the checkpoint's
@@ -418,6 +427,7 @@ class GRPOTrainer:
                 metrics = self.train_step()
                 self._evaluate_if_due(metrics)
                 health = self._check_health(metrics)
+                metrics.update(self._save_times(wait=False))
                 watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)  # a failed append (full disk) is kept in logger.failed: stop together
                 failed = self.logger.failed or self.completion_log.failed
@@ -434,14 +444,18 @@ class GRPOTrainer:
                 if cfg.save_best and cfg.save_best in metrics:
                     watchdog.set_phase("save")
                     self._keep_best(metrics[cfg.save_best], saved)
+                if stop or health.stop:  # _stop_code's line says the checkpoint is written: it must be by then
+                    self._save_metrics.update(self._save_times(wait=True))
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break
+            self._save_times(wait=True)  # the save in flight is in place (or its error raised) before the exit
             if self.async_rollouts is not None:  # not after an error: the peers may be gone
                 self.async_rollouts.close()
         except BaseException as e:
             if self.async_rollouts is not None:  # the rollout ranks stop now, naming this failure (best effort)
                 self.async_rollouts.abort(e)
+            self._finish_save_after(e)
             raise
         finally:
             self.logger.close()
@@ -484,8 +498,31 @@ class GRPOTrainer:
                 (self.step == cfg.max_steps and cfg.save_final) or \
                 (cannot_learn and (cfg.save_steps or cfg.save_final)):
             watchdog.set_phase("save")
-            return self.save()
+            return self.save(background=cfg.async_save)
         return None
+
+    def _save_times(self, wait: bool) -> dict:
+        """time_save_blocking_s and time_save_s of the last save (the step's line after it). wait: block until the
+        save in flight is done; else a collective poll (async_save.BackgroundSaver.poll). Either raises the
+        background write's error."""
+        if self.saver is not None and self.saver.in_flight():
+            watchdog.set_phase("save")
+            total = self.saver.wait() if wait else self.saver.poll(self.ctx.device)
+            if total is not None:
+                self._save_metrics["time_save_s"] = total
+        out, self._save_metrics = self._save_metrics, {}
+        return out
+
+    def _finish_save_after(self, error: BaseException) -> None:
+        """On the way out with an error: let the save in flight finish (an intact checkpoint is worth keeping);
+        its own failure is one line, as the error that ends the run is already on its way."""
+        if self.saver is None or not self.saver.in_flight() or isinstance(error, KeyboardInterrupt):
+            return
+        try:
+            self.saver.wait()
+        except BaseException as e:  # noqa: BLE001 - reported, not raised over the error that ends the run
+            if self.ctx.is_main:
+                print(f"[grpo_dist] the checkpoint save in flight failed too: {e}", flush=True)
 
     def _stop_code(self, stop: bool, cannot_learn: str | None) -> int:
         """The exit code that ends the loop after this step (0: go on), with its one line. A requested stop wins."""
@@ -542,6 +579,7 @@ class GRPOTrainer:
             self.async_rollouts.after_step(self)
             metrics.update(self.async_rollouts.metrics(time.perf_counter() - t0))
         metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
+        metrics.update(self._flops_metrics(metrics, timer, metrics.pop("_attention_pairs")))
         return metrics
 
     # ----------------------------------------------------------------------- rollout, grade (dynamic sampling)
@@ -1042,6 +1080,7 @@ class GRPOTrainer:
         """The step's metrics over all ranks (one all-reduce of sums by name, one of the longest completion)."""
         dev = self.ctx.device
         lengths = batch.completion_lengths.double().cpu()
+        row_tokens = (batch.prompt_mask.sum(1).double().cpu() + lengths)[rows]  # s of each trained row (mfu)
         s = gdist.all_reduce_sum_named({
             "reward": float(rewards.sum()), "reward_sq": float((rewards.double() ** 2).sum()), "rows": len(rewards),
             "correct": float(correct.sum()), "completion_tokens": float(lengths.sum()),
@@ -1050,6 +1089,7 @@ class GRPOTrainer:
             # that ends with EOS exactly at max_completion_length finished
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
+            "attention_pairs": float((row_tokens * (row_tokens + 1)).sum()),
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
             "prompts_truncated": float(self._prompts_cut),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
@@ -1087,6 +1127,7 @@ class GRPOTrainer:
             **{k: float(v) for k, v in s.items() if k.startswith("tokens/")},
             "epoch": self.sampler.epoch,
             "_completion_tokens": float(s["completion_tokens"]) / self.ctx.world_size,  # per rank, for tokens/s
+            "_attention_pairs": float(s["attention_pairs"]),  # all ranks, for mfu
             # decode rows computed vs tokens generated, all ranks and rollout rounds (lean / hf: vLLM batches its
             # own way); their gap is the padding that decode_compaction_threshold removes
             **({"tokens/processed_decode": float(s["decode_processed"]),
@@ -1121,6 +1162,13 @@ class GRPOTrainer:
         return {"step_time_s": time.perf_counter() - t0, **{f"time_{k}_s": v for k, v in timer.times.items()},
                 "completion_tokens_per_s": completion_tokens / max(timer.times["rollout"], 1e-9),
                 "time_weight_sync_s": self.weight_sync_s}  # part of time_rollout_s
+
+    def _flops_metrics(self, metrics: dict, timer: Timer, attention_pairs: float) -> dict:
+        """mfu, mfu_update, mfu_logprobs, tokens_per_s_update, tokens_per_s_logprobs, model_flops (flops.py)."""
+        n, layers, d_q = self._flops_shape
+        update, no_grad = flops.step_flops(n, layers, d_q, metrics, attention_pairs, self.cfg.num_iterations)
+        return flops.metrics(update, no_grad, metrics, {**timer.times, "step": metrics["step_time_s"]},
+                             self._peak_flops, gdist.group_size())
 
     def _log_completions(self, batch: RolloutBatch, rewards, per_function) -> None:
         """Rank 0's first log_completions rows to completions.jsonl (no collective: only rank 0 writes). The prompt
@@ -1160,13 +1208,23 @@ class GRPOTrainer:
                 **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {}),
                 **({"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {})}
 
-    def save(self, **where) -> Path:
-        """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint)."""
-        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
+    def save(self, background: bool = False, **where) -> Path:
+        """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint). background (with
+        async_save): written by self.saver's thread, in place after the next poll or wait; else written here (after
+        any save in flight). Collective."""
+        t0 = time.perf_counter()
+        saver = self.saver if background else None
+        if self.saver is not None:  # one save at a time: the one in flight first (its time_save_s kept)
+            self._save_metrics.update(self._save_times(wait=True))
+        path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
                                     self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
                                     self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
                                     base_name=self.cfg.model.name_or_path,
-                                    check_hashes=self.cfg.verify_checkpoint_hashes, **where)
+                                    check_hashes=self.cfg.verify_checkpoint_hashes, background=saver, **where)
+        self._save_metrics["time_save_blocking_s"] = time.perf_counter() - t0
+        if saver is None or not saver.in_flight():  # written here: nothing left to wait for
+            self._save_metrics["time_save_s"] = self._save_metrics["time_save_blocking_s"]
+        return path
 
     def _load_best(self) -> dict | None:
         """The best so far that output_dir/best/ holds (rank 0 reads and verifies it; every rank gets it)."""
@@ -1193,6 +1251,7 @@ class GRPOTrainer:
         record = {"metric": self.cfg.save_best, "mode": self.cfg.save_best_mode, "value": float(value),
                   "step": self.step}
         if saved is not None:
+            self._save_metrics.update(self._save_times(wait=True))  # the links need the checkpoint in place
             path = ckpt.link_best(saved, self.cfg.output_dir, record, self.ctx)
         else:
             path = self.save(name=ckpt.BEST_DIR, extra_files={ckpt.BEST_FILE: ckpt.best_json(record)})

@@ -18,15 +18,18 @@ STEPS = 4
 
 
 def _straight(rank, world, out, out_sharded):
-    """4 steps, a full checkpoint after each; after step 2 also a sharded one (into another directory)."""
+    """4 steps, a full checkpoint after each; after step 2 also a sharded one (into another directory). All are
+    background saves (async_save), written while the next steps train: the resumes below prove each holds the state
+    of its own step."""
     from grpo_dist import checkpoint as ckpt
     tr = resume_trainer([f"output_dir={out}"])
     for _ in range(STEPS):
         tr.train_step()
-        tr.save()
+        tr.save(background=True)
         if tr.step == 2:
             ckpt.save_checkpoint(out_sharded, tr.step, tr.engine, tr.gen_model, tr.tokenizer, tr.trainer_state(),
-                                 tr.ctx, save_format="sharded")
+                                 tr.ctx, save_format="sharded", background=tr.saver)
+    tr.saver.wait()
 
 
 def _resumed(rank, world, runs):

@@ -110,6 +110,20 @@ class Engine(abc.ABC):
         """Inverse of save_sharded, also at another world size (DCP reshards). Collective."""
         raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format")
 
+    # Whether a save may go on in a background thread (async_save): the engine's state can be copied out at once
+    # (gather_full_state, sharded_state_to_save + write_sharded) and save_engine_state writes nothing. DeepSpeed's
+    # own checkpoint runs its collectives in the training group: its saves stay synchronous.
+    supports_async_save = False
+
+    def sharded_state_to_save(self, staged: bool) -> dict:
+        """Optional (supports_async_save with save_format=sharded): the state save_sharded writes, staged: copied
+        to host memory. Collective."""
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format")
+
+    def write_sharded(self, state: dict, path) -> None:
+        """Write a state from sharded_state_to_save as save_sharded would. Collective in gdist.group()."""
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format")
+
     def save_engine_state(self, ckpt_dir: Path) -> None:  # noqa: B027  (optional: no state by default)
         """Backend-specific state for an exact resume, written into the checkpoint directory next to the HF files
         (DeepSpeed: its partitioned optimizer under deepspeed/). Called on every save; by default there is none.

@@ -11,6 +11,7 @@ import abc
 import contextlib
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class TorchEngine(Engine):
 
     def __init__(self, cfg, model: torch.nn.Module, ctx):
         super().__init__(cfg, ctx)
+        self._stager: Any = None  # sharded_state_to_save(staged=True)'s, made at the first background save
         self._layer_classes = decoder_layer_classes(model)
         model.eval()  # no dropout anywhere: sampling, old, reference and trained log-probs must agree
         self.module = self._wrap(model, trainable=True)
@@ -111,13 +113,31 @@ class TorchEngine(Engine):
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # this rank's shards, plain FQNs
         return {"model": model_sd, "optim": optim_sd}
 
-    def save_sharded(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
+    supports_async_save = True
+
+    def sharded_state_to_save(self, staged: bool) -> dict:
+        """This rank's shards of model + optimizer as save_sharded writes them; staged: copied into host memory
+        (pinned and reused from save to save on CUDA), so that training may go on while a thread writes them.
+        Collective (FSDP's state-dict hooks)."""
         with _quiet_sharded_warnings(), self._optimizer_kept_unstarted() as unstarted:
             state = self._sharded_state()
             # DCP needs an entry for every parameter: the filler state is written, and this flag says to drop it
             state[OPTIMIZER_STARTED] = torch.tensor(int(not unstarted))
+            if staged:
+                if self._stager is None:
+                    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+                    self._stager = BlockingAsyncStager(cache_staged_state_dict=self.ctx.device.type == "cuda")
+                state = self._stager.stage(state)
+        return state
+
+    def write_sharded(self, state: dict, path) -> None:
+        """DCP-write a state from sharded_state_to_save. Collective in gdist.group() (the saver thread's own)."""
+        import torch.distributed.checkpoint as dcp
+        with _quiet_sharded_warnings():
             dcp.save(state, checkpoint_id=str(path), process_group=gdist.group())
+
+    def save_sharded(self, path) -> None:
+        self.write_sharded(self.sharded_state_to_save(staged=False), path)
 
     def load_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
