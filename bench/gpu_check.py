@@ -377,8 +377,10 @@ def cmd_decode(a) -> None:
 # ------------------------------------------------------------------------------------------------------ learn
 # The built-in demo (configs/demo_cpu.yaml: the shipped 0.47 M-parameter base model, two-number addition) on one rank
 # with bf16 mixed precision: the demo's 32 prompts x 8 completions per step (its 2 ranks' work on one), its cosine
-# schedule over 150 steps. 2 CPU processes take ~0.9 min for the whole demo (docs/demo.md); the H200 time of this
-# stage (~40-70 s with its two evaluations) is an estimate from that, not measured.
+# schedule over 150 steps. On this 2-core CPU (shared) the stage took 132 s, median step 0.82 s (41 % -> 92.5 %). The
+# H200 time, ~30-60 s with init and both evaluations, is an estimate, not measured: a step here is a prefill and 4
+# decode steps of a 0.47 M-parameter model and two micro-batches, launch-bound, against the 4-layer 0.5B-shape step
+# of 64 rows x 256 tokens at 1.2-1.5 s on the H200 (../shared/notes/gpu-h200-figures.md).
 LEARN = dict(steps=150, prompts_per_rank=32, eval_limit=None)
 if SMOKE:  # a few steps on 8 held-out problems: the code path, not the learning
     LEARN = dict(steps=3, prompts_per_rank=4, eval_limit=8)

@@ -141,7 +141,7 @@ stage train_untied 120 "${TR[@]}" train --model "$M/qwen05_4l_untied" --out "$WO
 stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out "$WORK/full"
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
-stage learn 150 "${D[@]}" learn --out "$WORK/learn"  # an estimated ~40-70 s on an H200 (not measured)
+stage learn 150 "${D[@]}" learn --out "$WORK/learn"  # ~30-60 s on an H200: an estimate, not measured
 stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
 stage async 240 "${D[@]}" async --model "$M/qwen05_4l"  # ~150-200 s alone on an H200: 120 cut it
 
