@@ -5,6 +5,7 @@
     python bench/gpu_check.py evaluate --model CHECKPOINT --out DIR
     python bench/gpu_check.py meta --model DIR --out DIR      # the trainer as rank 1 of a pretend 2-rank world
     python bench/gpu_check.py decode                          # lean decoder ms/step at 0.5B and 7B shapes
+    python bench/gpu_check.py learn --out DIR                 # the built-in demo trained on this device, 1 rank
     python bench/gpu_check.py long --model DIR --out DIR      # one step, long-tailed completions up to 1024 tokens
     python bench/gpu_check.py async --model DIR               # 1 trainer + 1 rollout rank on the one GPU, k = 0, 1
     python bench/gpu_check.py summary RESULTS.jsonl           # or the folder / gpu_check.tgz that holds it
@@ -376,6 +377,60 @@ def cmd_decode(a) -> None:
             torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------------------ learn
+# The built-in demo (configs/demo_cpu.yaml: the shipped 0.47 M-parameter base model, two-number addition) on one rank
+# with bf16 mixed precision: the demo's 32 prompts x 8 completions per step (its 2 ranks' work on one), its cosine
+# schedule over 150 steps. On this 2-core CPU (shared) the stage took 132 s, median step 0.82 s (41 % -> 92.5 %). The
+# H200 time, ~30-60 s with init and both evaluations, is an estimate, not measured: a step here is a prefill and 4
+# decode steps of a 0.47 M-parameter model and two micro-batches, launch-bound, against the 4-layer 0.5B-shape step
+# of 64 rows x 256 tokens at 1.2-1.5 s on the H200 (../shared/notes/gpu-h200-figures.md).
+LEARN = dict(steps=150, prompts_per_rank=32, eval_limit=None)
+if SMOKE:  # a few steps on 8 held-out problems: the code path, not the learning
+    LEARN = dict(steps=3, prompts_per_rank=4, eval_limit=8)
+
+
+def cmd_learn(a) -> None:
+    """Held-out greedy accuracy of the demo's base model, LEARN's steps of the demo recipe on this device (1 rank,
+    bf16 mixed precision), then the accuracy again. Fails (exit 1) when it did not gain (the full run; a smoke run's
+    few steps only have to run)."""
+    from grpo_dist import distributed as gdist
+    from grpo_dist.config import load_config
+    ctx = gdist.init_distributed(600)
+    root = Path(__file__).resolve().parents[1]
+    L = LEARN
+    cfg = load_config(str(root / "configs" / "demo_cpu.yaml"), [
+        f"output_dir={Path(a.out) / 'learn'}", f"model.name_or_path={root / 'grpo_dist' / 'tools' / 'demo_base'}",
+        f"max_steps={L['steps']}", f"eval_steps={L['steps']}", "save_final=false", "save_best=null",
+        "report_to=[jsonl]", "progress_bar=false", f"logging_steps={L['steps']}",
+        f"prompts_per_rank={L['prompts_per_rank']}",
+        f"data.eval_limit={'null' if L['eval_limit'] is None else L['eval_limit']}",
+        "distributed.mixed_precision=bf16"])
+    tr = new_trainer(cfg, ctx)
+    sync()
+    t0 = time.perf_counter()
+    before = tr.evaluate()
+    steps = []
+    while tr.step < L["steps"]:
+        steps.append(tr.train_step()["step_time_s"])
+    after = tr.evaluate()
+    sync()
+    wall = time.perf_counter() - t0
+    acc0, acc1, n = before["eval_accuracy"], after["eval_accuracy"], int(after["eval_num_examples"])
+    gained = acc1 > acc0
+    ok = gained or SMOKE
+    print(f"CHECK learn demo on {ctx.device}, 1 rank, bf16 mixed precision, {L['steps']} steps of "
+          f"{L['prompts_per_rank']} prompts x {cfg.num_generations}: held-out greedy accuracy {acc0:.1%} -> "
+          f"{acc1:.1%} on {n} problems ({'gained' if gained else 'NO gain'}); median step "
+          f"{statistics.median(steps):.3f} s, {wall:.1f} s with both evaluations", flush=True)
+    result(stage="learn", device=str(ctx.device), steps=L["steps"], prompts_per_rank=L["prompts_per_rank"],
+           accuracy_before=acc0, accuracy_after=acc1, problems=n, gained=gained, ok=ok,
+           median_step_s=round(statistics.median(steps), 4), seconds=round(wall, 1), peak_gib=peak_gib())
+    close(tr)
+    gdist.cleanup()
+    if not ok:
+        raise SystemExit(f"held-out accuracy did not gain: {acc0:.3f} -> {acc1:.3f}")
+
+
 # ------------------------------------------------------------------------------------------------------ long
 # Issue 29's long-completion step at the 0.5B shape: bench/long_cot.py's lognormal lengths (median 200, p95 900,
 # cap 1024) over the 0.5B config's per-rank rows (8 prompts x 8), every lever on.
@@ -549,6 +604,8 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "decode": ("shape", "rows", "mode", "ms_per_step", "floor_ms", "floor_with_kv_ms", "x_floor", "tokens_per_s",
                    "peak_gib"),
         "decode_graphs_vs_eager": ("shape", "rows", "tokens_equal", "max_logit_diff"),
+        "learn": ("device", "steps", "accuracy_before", "accuracy_after", "problems", "gained", "median_step_s",
+                  "seconds", "peak_gib"),
         "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "rollout_tokens_per_s", "logprobs_s",
                  "update_s", "padding_fraction",
                  "peak_gib", "peak_rss_mib"),
@@ -607,6 +664,8 @@ def main(argv=None) -> None:
     d = sub.add_parser("decode")
     # H200 HBM3e: 4.8 TB/s (H100 SXM 3.35, A100 80GB 2.0); on a CPU the floor is a nominal figure
     d.add_argument("--gb-per-s", type=float, default=float(os.environ.get("GPU_CHECK_HBM_GBPS", 4800)))
+    ln = sub.add_parser("learn")
+    ln.add_argument("--out", required=True)
     lg = sub.add_parser("long")
     lg.add_argument("--model", required=True)
     lg.add_argument("--out", required=True)
@@ -620,7 +679,7 @@ def main(argv=None) -> None:
         result(stage="start", cmd=a.cmd, smoke=SMOKE, torch=torch.__version__,
                gpu=torch.cuda.get_device_name() if CUDA else None)
     {"build": cmd_build, "train": cmd_train, "evaluate": cmd_evaluate, "meta": cmd_meta, "decode": cmd_decode,
-     "long": cmd_long, "async": cmd_async, "summary": cmd_summary}[a.cmd](a)
+     "learn": cmd_learn, "long": cmd_long, "async": cmd_async, "summary": cmd_summary}[a.cmd](a)
 
 
 if __name__ == "__main__":

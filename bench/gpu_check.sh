@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of grpo_dist's CUDA paths on ONE GPU, with no download: random-init models of real shapes.
 #
-#   bash bench/gpu_check.sh                      # on a GPU machine, from the repository root: ~4-6 min on an H200
+#   bash bench/gpu_check.sh                      # on a GPU machine, from the repository root: ~5-7 min on an H200 (the learn stage estimated)
 #   GPU_CHECK_SMOKE=1 bash bench/gpu_check.sh    # tiny shapes on a CPU (gloo): the same stages in about a minute
 #
 # Stages (each its own process and time limit; a failing stage does not stop the next ones):
@@ -23,6 +23,9 @@
 #   train_untied   save_format=full on the untied 4-layer model
 #   evaluate       python -m grpo_dist.tools.evaluate's code on the full checkpoint (generation in the compute dtype)
 #   cli            torchrun -m grpo_dist.train end to end, 2 steps + a save (nccl group creation, the entry point)
+#   learn          the built-in demo (configs/demo_cpu.yaml, the shipped base model) trained on the device: 1 rank,
+#                  bf16 mixed precision, 150 steps of 32 prompts x 8; held-out greedy accuracy before and after (fails
+#                  when it does not gain; smoke: 3 steps that only have to run)
 #   long           issue 29's long-completion step: one GRPO step of the real trainer on the 4-layer 0.5B-shape model,
 #                  64 rows (8 prompts x 8) of bench/long_cot.py's long-tailed lengths (lognormal median 200, p95 900,
 #                  cap 1024, forced by EOS placement), every lever on (padding_free, max_tokens_per_micro_batch 8192,
@@ -138,6 +141,7 @@ stage train_untied 120 "${TR[@]}" train --model "$M/qwen05_4l_untied" --out "$WO
 stage evaluate 90 "${D[@]}" evaluate --model "$WORK/full/run/checkpoint-2" --out "$WORK/full"
 stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m grpo_dist.train \
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
+stage learn 150 "${D[@]}" learn --out "$WORK/learn"  # ~30-60 s on an H200: an estimate, not measured
 stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
 stage async 240 "${D[@]}" async --model "$M/qwen05_4l"  # ~150-200 s alone on an H200: 120 cut it
 

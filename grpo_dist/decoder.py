@@ -157,11 +157,17 @@ class LeanDecoder:
     """prefill(ids, mask, repeats, max_new_tokens) once, then step(tokens) per token; each returns next-token logits
     [rows, vocab]. Built per rollout from the model's current weights (views, no copies)."""
 
-    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True, compile_step: bool = False):
+    def __init__(self, model, cuda_graphs: bool = False, capture: bool = True, compile_step: bool = False,
+                 capacity: tuple[int, int] | None = None, say=None):
         config, inner = model.config, model.model
-        # decode steps replayed from CUDA graphs, one per decode batch size (CUDAGraphSteps; config lean_cuda_graphs);
-        # capture=False runs the same static steps without graphs (what the CPU tests check)
-        self.graphs = CUDAGraphSteps(self, capture and cuda_graphs) if cuda_graphs or compile_step else None
+        # decode steps replayed from CUDA graphs, one per batch-size bucket and attention width, on buffers allocated
+        # once for capacity = (rows, prompt + completion tokens), the run's largest (CUDAGraphSteps; config
+        # lean_cuda_graphs; None: the first prefill's); capture=False runs the same static steps without graphs
+        # (what the CPU tests check); say: where the one line of an eager fallback goes (None: print)
+        self.graphs = CUDAGraphSteps(self, capture and cuda_graphs, capacity, say) \
+            if cuda_graphs or compile_step else None
+        # the parameters' addresses: a captured graph reads the weights where they were (weights_moved)
+        self._weight_ptrs = [p.data_ptr() for p in model.parameters()]
         if compile_step:  # config lean_compile: torch.compile of the static step (its cache column is a tensor, so
             # steps do not recompile; each decode batch size and attention width does, as each gets its own graph)
             self.static_step = torch.compile(self.static_step, dynamic=False)  # type: ignore[method-assign]
@@ -235,31 +241,33 @@ class LeanDecoder:
         return F.linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head_w, self.lm_head_b)
 
     # ------------------------------------------------------------------------------------------------ prefill
+    def weights_moved(self, model) -> bool:
+        """True when the model's parameters no longer sit where this decoder read them (replaced, not filled in place:
+        model.to(), a load with assign=True); its graphs would read the old ones."""
+        return [p.data_ptr() for p in model.parameters()] != self._weight_ptrs
+
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: torch.Tensor | None, max_new_tokens: int):
         """ids/mask [b, P] left-padded unique prompts; row i is decoded repeats[i] times (None: once). Returns the
         logits of the last prompt position, one row per decoded row."""
         b, P = ids.shape
-        H, D, dtype, dev = self.n_heads, self.head_dim, self.embed.dtype, ids.device
+        H, dtype, dev = self.n_heads, self.embed.dtype, ids.device
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        self._rope_tables(int(positions[:, -1].max()) + max_new_tokens + 1, dtype)
+        rows = b if repeats is None else int(repeats.sum())
+        expand = (lambda t: t) if repeats is None else (lambda t: t.repeat_interleave(repeats, 0))
+        # the run's buffers (CUDA graphs, allocated once), else this rollout's own
+        run = None if self.graphs is None else self.graphs.begin(rows, P + max_new_tokens, dtype, dev)
+        if run is None:
+            self._rope_tables(int(positions[:, -1].max()) + max_new_tokens + 1, dtype)
+        else:
+            self.rope = run.rope  # the same values per position, for every position the run can reach
         rope = self.rope[positions][:, :, None]  # [b, P, 1 (heads), 2, 2, D/2]
         # query i sees keys j <= i that are real tokens; padding queries see themselves (their output is unused)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         attend = ((causal[None] & mask.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None])[:, None]
-        rows = b if repeats is None else int(repeats.sum())
-        expand = (lambda t: t) if repeats is None else (lambda t: t.repeat_interleave(repeats, 0))
         self.length = P
-        key_valid = torch.ones(rows, P + max_new_tokens, dtype=torch.bool, device=dev)
-        key_valid[:, :P] = expand(mask.bool())
-        # additive bias over cache columns, -inf on prompt padding; one copy per kv head so that it broadcasts over
-        # the [rows * kv_heads, ...] batches of step()
-        self.key_bias = torch.zeros(rows, P + max_new_tokens, dtype=dtype, device=dev).masked_fill_(
-            ~key_valid, float("-inf")).repeat_interleave(self.n_kv, 0)[:, None, :]
-        self._key_bias_rows = self.key_bias.view(rows, self.n_kv, 1, P + max_new_tokens)  # compact() moves rows
+        self._allocate(rows, P, P + max_new_tokens, expand(mask.bool()), run)
         x = F.embedding(ids, self.embed)
-        self.cache = []
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # the whole preallocated caches
-        for w in self.layers:
+        for w, (k_cache, v_cache) in zip(self.layers, self.cache):
             qk, v = self._qk_v(w, x)
             y = self._rope_products(qk, rope)
             qk = (y[..., 0, :] + y[..., 1, :]).flatten(-2)
@@ -267,23 +275,45 @@ class LeanDecoder:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self.scaling,
                                                  enable_gqa=H != self.n_kv)
             x = self._mlp(w, x + F.linear(out.transpose(1, 2).flatten(2), w.o_w, w.o_b))
-            k_cache = torch.empty(rows, self.n_kv, P + max_new_tokens, D, dtype=dtype, device=dev)
-            v_cache = torch.empty_like(k_cache)
             k_cache[:, :, :P] = expand(k)
             v_cache[:, :, :P] = expand(v)
-            self.cache.append((k_cache, v_cache))
-        self._buffers = list(self.cache)
         self._finite_columns = P  # columns written (the prompt's); attention_width zeroes more before they are read
-        self._positions = expand(positions[:, -1] + 1)  # every row's next position; its first rows are decoded
-        self.next_position = self._positions
-        if self.graphs is not None:
-            self.graphs.reset()
+        if run is None:
+            self._positions = expand(positions[:, -1] + 1)  # every row's next position; its first rows are decoded
+        else:
+            self._positions = run.positions
+            run.positions[:rows] = expand(positions[:, -1] + 1)
+        self.next_position = self._positions[:rows]
         return expand(self._logits(x[:, -1]))
+
+    def _allocate(self, rows: int, P: int, total: int, prompt_valid: torch.Tensor, run: StaticBuffers | None) -> None:
+        """The caches [rows, kv_heads, columns, D] per layer and the additive key bias (-inf on prompt padding, one
+        copy per kv head so that it broadcasts over the [rows * kv_heads, ...] batches of step()): new tensors of
+        `total` columns, or the first rows of the run's buffers (run.length columns, the same addresses every
+        rollout, as CUDA graphs need)."""
+        dtype, dev, D = self.embed.dtype, prompt_valid.device, self.head_dim
+        columns = total if run is None else run.length
+        key_valid = torch.ones(rows, columns, dtype=torch.bool, device=dev)
+        key_valid[:, :P] = prompt_valid
+        bias = torch.zeros(rows, columns, dtype=dtype, device=dev).masked_fill_(~key_valid, float("-inf"))
+        if run is None:
+            self.key_bias = bias.repeat_interleave(self.n_kv, 0)[:, None, :]
+            self._key_bias_rows = self.key_bias.view(rows, self.n_kv, 1, columns)  # compact() moves rows
+            self._buffers = [(torch.empty(rows, self.n_kv, total, D, dtype=dtype, device=dev),
+                              torch.empty(rows, self.n_kv, total, D, dtype=dtype, device=dev)) for _ in self.layers]
+        else:
+            run.bias_rows[:rows] = bias[:, None, None, :]
+            run.bias_rows[rows:].zero_()  # rows a bucket pads with attend to finite keys: no NaN anywhere
+            run.positions[rows:].zero_()
+            self._key_bias_rows = run.bias_rows
+            self.key_bias = run.bias_rows[:rows].flatten(0, 1)
+            self._buffers = list(run.kv)
+        self.cache = [(k[:rows], v[:rows]) for k, v in self._buffers]  # the whole buffers stay in _buffers
 
     # ------------------------------------------------------------------------------------------------ decode
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([rows] long); returns the next-token logits [rows, vocab]."""
-        if self.graphs is not None:
+        if self.graphs is not None and self.graphs.run_active:
             return self.graphs.step(tokens)
         col = self.length
         logits = self.static_step(tokens, self.next_position, col, self.attention_width(col + 1))
@@ -352,55 +382,150 @@ class LeanDecoder:
         self.next_position = self._positions[:n]
 
 
+def graph_buckets(max_rows: int) -> tuple[int, ...]:
+    """The decode batch sizes that get CUDA graphs: the powers of two below max_rows, and max_rows (256 rows: 9
+    buckets). A batch of B rows runs in the smallest bucket >= B, the rows after B padding (computed, never read):
+    at most twice the rows, where a graph per size would capture up to max_rows graphs per attention width."""
+    return tuple(sorted({1 << i for i in range(max(1, max_rows).bit_length()) if 1 << i < max_rows} | {max_rows}))
+
+
+def bucket_of(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `rows`, None when none does."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+class StaticBuffers:
+    """What a captured decode step reads and writes, allocated once for the run's largest (rows, length) on the
+    model's device: per layer K and V [rows, kv_heads, length, D] (zeros: every column is finite before first use),
+    the key bias, the rows' positions and tokens, the cache column, and the RoPE table of every position the run
+    can reach. A rollout uses their first rows and columns; compaction moves rows inside them."""
+
+    def __init__(self, decoder: LeanDecoder, rows: int, length: int, dtype, device):
+        d = decoder
+        self.rows, self.length, self.buckets = rows, length, graph_buckets(rows)
+        shape = (rows, d.n_kv, length, d.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in d.layers]
+        self.bias_rows = torch.zeros(rows, d.n_kv, 1, length, dtype=dtype, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
+        d._rope_tables(length + 1, dtype)  # a row's next position after the last step is at most `length`
+        self.rope = d.rope
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.kv for t in kv) + \
+            self.bias_rows.numel() * self.bias_rows.element_size()
+
+
 class CUDAGraphSteps:
-    """LeanDecoder's decode steps replayed from CUDA graphs: a decode step is ~30 small kernels per layer, and at
-    small models the host cannot launch them as fast as the GPU runs them. One graph of static_step per decode
-    batch size (compaction's buckets, grpo_dist.compaction) and attention width (LeanDecoder.attention_width),
-    captured the first time that pair decodes after a prefill (a rollout meets up to ~8 batch sizes per halving of
-    its rows, and length / 64 widths), on the decoder's own buffers (compaction moves rows inside them, so their
-    addresses hold); the inputs go through static buffers. A new prefill allocates new caches: the graphs are
-    dropped and captured again. The graphs run the eager step's arithmetic, so lean_cuda_graphs does not change
-    what is sampled.
-    capture=False: static_step runs eagerly on the same buffers (no CUDA needed)."""
+    """LeanDecoder's decode steps replayed from CUDA graphs: a decode step is ~20 small kernels per layer, and at
+    small models the host cannot launch them as fast as the GPU runs them. Captured once per run: the KV cache and
+    every input live in StaticBuffers, allocated at the first prefill for the run's largest (rows, length)
+    (`capacity`), so a graph captured for one rollout replays in every later one, evaluation included. One graph
+    per (bucket, attention width): buckets are graph_buckets(rows) (compaction moves a batch into a smaller one),
+    widths are LeanDecoder.attention_width's multiples of 64, captured the first time they decode, into one memory
+    pool. The graphs run the eager step's arithmetic, so lean_cuda_graphs does not change what is sampled.
+    A rollout the buffers cannot hold (more rows than the largest bucket, a longer prompt + completion) decodes
+    eagerly on its own caches, with one line naming why (said once per reason; `fallbacks` counts them).
+    capture=False: static_step runs uncaptured on the same buffers and buckets (no CUDA needed: the CPU tests)."""
 
-    def __init__(self, decoder: LeanDecoder, capture: bool = True):
-        self.decoder, self.capture = decoder, capture
+    def __init__(self, decoder: LeanDecoder, capture: bool = True, capacity: tuple[int, int] | None = None,
+                 say=None):
+        self.decoder, self.capture, self.capacity = decoder, capture, capacity
+        self.say = say or (lambda line: print(line, flush=True))
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.views: dict[int, tuple[list, torch.Tensor]] = {}  # bucket -> its cache and key-bias views
         self.pool: Any = None
+        self.pool_bytes = 0  # memory the captures reserved (the graph pool), bytes
+        self.run: StaticBuffers | None = None
+        self.run_active = False  # this rollout decodes on the run's buffers
+        self.fallbacks: dict[str, int] = {}  # eager rollouts, by reason
 
-    def reset(self) -> None:
-        d = self.decoder
-        self.graphs = {}
-        self.tokens = torch.zeros(len(d._positions), dtype=torch.long, device=d._positions.device)
-        self.col = torch.zeros(1, dtype=torch.long, device=d._positions.device)
+    def why_eager(self, rows: int, total: int) -> str | None:
+        """Why a rollout of `rows` rows and `total` prompt + completion tokens cannot use the run's buffers."""
+        run = self.run
+        if run is None:
+            return None
+        if rows > run.rows:
+            return f"rows: {rows} decode rows exceed the largest CUDA-graph bucket ({run.rows})"
+        if total > run.length:
+            return f"length: prompt + completion of {total} tokens exceed the captured cache ({run.length})"
+        return None
+
+    def begin(self, rows: int, total: int, dtype, device) -> StaticBuffers | None:
+        """Called by prefill: the run's buffers (allocated the first time), or None (one line) to decode eagerly."""
+        if self.run is None:
+            cap_rows, cap_len = self.capacity or (rows, total)
+            self.run = StaticBuffers(self.decoder, max(cap_rows, 1), max(cap_len, 1), dtype, device)
+        why = self.why_eager(rows, total)
+        self.run_active = why is None
+        if why is not None:
+            kind = why.split(":")[0]
+            if kind not in self.fallbacks:
+                self.say(f"[grpo_dist] lean decoder: this rollout decodes eagerly, without CUDA graphs: "
+                         f"{why.split(': ', 1)[1]} (said once; later ones are counted)")
+            self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+            return None
+        self.run.tokens[rows:].zero_()
+        return self.run
+
+    def memory(self) -> dict:
+        """The run's KV cache and graph pool, bytes, and the graphs captured."""
+        return dict(cache_bytes=self.run.nbytes() if self.run else 0, pool_bytes=self.pool_bytes,
+                    graphs=len(self.graphs), buckets=self.run.buckets if self.run else (),
+                    rows=self.run.rows if self.run else 0, length=self.run.length if self.run else 0)
+
+    def _views(self, bucket: int) -> tuple[list, torch.Tensor]:
+        if bucket not in self.views:
+            run = self.run
+            assert run is not None
+            self.views[bucket] = ([(k[:bucket], v[:bucket]) for k, v in run.kv], run.bias_rows[:bucket].flatten(0, 1))
+        return self.views[bucket]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        d, B = self.decoder, tokens.shape[0]
+        d, run, B = self.decoder, self.run, tokens.shape[0]
+        assert run is not None
+        bucket = bucket_of(B, run.buckets)
+        assert bucket is not None  # begin() sent larger rollouts to the eager path; compaction only shrinks
         width = d.attention_width(d.length + 1)
-        self.tokens[:B].copy_(tokens)
-        self.col.fill_(d.length)
+        run.tokens[:B].copy_(tokens)
+        run.col.fill_(d.length)
         if not self.capture:
-            logits = d.static_step(self.tokens[:B], d.next_position, self.col, width)
+            logits = self._static(bucket, width)
         else:
-            if (B, width) not in self.graphs:
-                self.graphs[B, width] = self._capture(B, width)
-            graph, logits = self.graphs[B, width]
+            if (bucket, width) not in self.graphs:
+                self.graphs[bucket, width] = self._capture(bucket, width)
+            graph, logits = self.graphs[bucket, width]
             graph.replay()
         d.length += 1
         d.next_position.add_(1)
-        return logits.clone()  # the graph's output buffer is overwritten by the next replay
+        return logits[:B].clone()  # the graph's output buffer is overwritten by the next replay
 
-    def _capture(self, B: int, width: int):
-        d = self.decoder
-        args = (self.tokens[:B], d.next_position, self.col, width)
+    def _static(self, bucket: int, width: int) -> torch.Tensor:
+        """static_step over the bucket's rows of the run's buffers (the decoder's own views are the batch's rows)."""
+        d, run = self.decoder, self.run
+        assert run is not None
+        cache, bias = d.cache, d.key_bias
+        d.cache, d.key_bias = self._views(bucket)
+        try:
+            return d.static_step(run.tokens[:bucket], run.positions[:bucket], run.col, width)
+        finally:
+            d.cache, d.key_bias = cache, bias
+
+    def _capture(self, bucket: int, width: int):
+        """Warm-up on a side stream, then capture into the shared pool (torch's documented order); what the capture
+        reserved is counted in pool_bytes."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture (it writes the same cache column the replay will)
-            d.static_step(*args)
+            self._static(bucket, width)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket: they never run at once
+            self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph: they never run at once
+        reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = d.static_step(*args)
+            logits = self._static(bucket, width)
+        self.pool_bytes += torch.cuda.memory_reserved() - reserved
         return graph, logits

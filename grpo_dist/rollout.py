@@ -196,14 +196,66 @@ class HFDecoder:
         self.full_mask, self.next_pos = self.full_mask[keep], self.next_pos[keep]
 
 
-def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False, compile_step: bool = False):
+def make_decoder(model, total_length: int, lean: bool = True, cuda_graphs: bool = False, compile_step: bool = False,
+                 run: RunDecoder | None = None):
     """LeanDecoder where it covers the model (bench/generation.py: the transformers forward spends most of a decode
     step outside the model's arithmetic), else the transformers forward. cuda_graphs: LeanDecoder replays its
     decode steps from CUDA graphs (config lean_cuda_graphs); compile_step: torch.compile of its step
-    (lean_compile)."""
-    if lean and lean_decoder_unsupported(model, total_length) is None:
+    (lean_compile). run: the engine's RunDecoder, which keeps one such decoder (its buffers and graphs) for the
+    whole run."""
+    why = lean_decoder_unsupported(model, total_length) if lean else "lean_decoder off"
+    if why is None and run is not None and (cuda_graphs or compile_step):
+        return run.decoder(model)
+    if why is not None and run is not None and lean and cuda_graphs:
+        run.say_once("unsupported", f"[grpo_dist] lean decoder: decoding with the transformers forward, without "
+                                    f"CUDA graphs: {why}")
+    if why is None:
         return LeanDecoder(model, cuda_graphs, compile_step=compile_step)
     return HFDecoder(model)
+
+
+class RunDecoder:
+    """The one LeanDecoder with CUDA graphs (or a compiled step) an engine keeps for the whole run: its buffers are
+    allocated for capacity = (the largest generation batch, prompt + completion tokens) at the first rollout and its
+    graphs captured once, then replayed in every rollout and evaluation (decoder.CUDAGraphSteps). A new one is built
+    only when the replica's parameters were replaced (LeanDecoder.weights_moved), with a line saying so. say: where
+    lines go; the memory line (KV cache and graph pool) is said once, after the first rollout (report_memory)."""
+
+    def __init__(self, capacity: tuple[int, int], cuda_graphs: bool, compile_step: bool, capture: bool, say=None):
+        self.capacity, self.cuda_graphs, self.compile_step, self.capture = capacity, cuda_graphs, compile_step, capture
+        self.say = say or (lambda line: print(line, flush=True))
+        self.said: set[str] = set()
+        self.current: LeanDecoder | None = None
+        self.memory_said = False
+
+    def say_once(self, key: str, line: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            self.say(line)
+
+    def decoder(self, model) -> LeanDecoder:
+        if self.current is not None and self.current.weights_moved(model):
+            self.say_once("moved", "[grpo_dist] lean decoder: the replica's parameters were replaced, not filled in "
+                                   "place: its CUDA graphs are captured again")
+            self.current = None
+        if self.current is None:
+            self.current = LeanDecoder(model, self.cuda_graphs, self.capture, self.compile_step, self.capacity,
+                                       say=self.say)
+        return self.current
+
+    def report_memory(self) -> dict | None:
+        """After a rollout: the memory line, once (None before the buffers exist)."""
+        graphs = None if self.current is None else self.current.graphs
+        if graphs is None or graphs.run is None:
+            return None
+        m = graphs.memory()
+        if not self.memory_said:
+            self.memory_said = True
+            self.say(f"[grpo_dist] lean decoder {'CUDA graphs' if self.capture else 'static step'}: KV cache "
+                     f"{m['cache_bytes'] / 2**30:.3f} GiB for {m['rows']} rows x {m['length']} tokens, allocated "
+                     f"once; buckets {list(m['buckets'])}; graph pool {m['pool_bytes'] / 2**30:.3f} GiB after "
+                     f"{m['graphs']} graphs (the first rollout's; more widths and buckets add to it)")
+        return m
 
 
 # The sampling loop keeps EOS and the finished rows on the device; the host reads them (one sync: "how many rows have

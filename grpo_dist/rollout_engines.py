@@ -37,7 +37,7 @@ import torch
 
 from grpo_dist.config import ConfigError, lean_cuda_graphs_on
 from grpo_dist.data.prompts import RenderedPrompt, encode_prompts
-from grpo_dist.rollout import RolloutBatch, _sample_loop, make_decoder, tokenize_prompts
+from grpo_dist.rollout import RolloutBatch, RunDecoder, _sample_loop, make_decoder, tokenize_prompts
 from grpo_dist.sampling_noise import row_noise
 from grpo_dist.vllm_plan import ModelShape, VLLMPlan, cpu_kv_cache_gib, plan, read_model_shape
 
@@ -121,11 +121,21 @@ class ReplicaRolloutEngine(RolloutEngine):
     model: torch.nn.Module
 
     def __init__(self, model: torch.nn.Module, lean: bool, pad_id: int, batch_size: int | None = None,
-                 compaction_threshold: float | None = None, cuda_graphs: bool = False, compile_step: bool = False):
+                 compaction_threshold: float | None = None, cuda_graphs: bool = False, compile_step: bool = False,
+                 capacity: tuple[int, int] | None = None, is_main: bool = True):
         self.model, self.lean, self.pad_id, self.batch_size = model, lean, pad_id, batch_size
         self.compaction_threshold = compaction_threshold  # decode_compaction_threshold
         self.cuda_graphs, self.compile_step = cuda_graphs, compile_step  # lean_cuda_graphs, lean_compile
         self.name = "lean" if lean else "hf"
+        self.is_main = is_main
+        # capacity = (the largest generation batch, prompt + completion tokens): with graphs or a compiled step, one
+        # decoder keeps its buffers and graphs for the run (rollout.RunDecoder; captured once, not per rollout)
+        self.run: RunDecoder | None = None
+        if lean and (cuda_graphs or compile_step) and capacity is not None:
+            device = next(model.parameters()).device
+            self.run = RunDecoder(capacity, cuda_graphs, compile_step, capture=device.type == "cuda")
+            if is_main:
+                print(lean_sizing_line(model, *capacity, cuda_graphs), flush=True)
 
     def sync_weights(self, weights) -> None:
         from grpo_dist.engines import copy_named_weights
@@ -138,7 +148,7 @@ class ReplicaRolloutEngine(RolloutEngine):
         n, rows = sampling.n, len(prompt_ids) * sampling.n
         eos = torch.as_tensor(list(sampling.eos_ids), device=device)
         decoder = make_decoder(self.model, ids.shape[1] + sampling.max_tokens, self.lean, self.cuda_graphs,
-                               self.compile_step)
+                               self.compile_step, self.run)
         chunk = self.batch_size or rows
         out = Generations()
         stats = {"decode_row_steps": 0}
@@ -161,6 +171,8 @@ class ReplicaRolloutEngine(RolloutEngine):
                 out.completion_ids.append(row_ids)
                 out.logprobs.append(row_lp)
         out.decode_row_steps = stats["decode_row_steps"]
+        if self.run is not None and self.is_main:
+            self.run.report_memory()
         return out
 
 
@@ -468,7 +480,8 @@ def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
                                     cfg.generation_batch_size, cfg.decode_compaction_threshold,
-                                    lean_cuda_graphs_on(cfg, next(replica.parameters()).device), cfg.lean_compile)
+                                    lean_cuda_graphs_on(cfg, next(replica.parameters()).device), cfg.lean_compile,
+                                    lean_capacity(cfg, rows), ctx.is_main)
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
                              vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied,
                              rows=rows or cfg.prompts_per_rank * cfg.num_generations, num_params=num_params,
@@ -479,6 +492,30 @@ def rollout_dtype(cfg) -> torch.dtype:
     """The dtype rollouts compute in: the mixed-precision compute dtype, else the master weights' dtype."""
     from grpo_dist.models import DTYPES, MIXED_PRECISION_DTYPES
     return MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision) or DTYPES[cfg.model.dtype]
+
+
+# rows of an evaluation's generate call: evaluation._score_examples' batch_size (64 problems), greedy (one each)
+EVAL_ROWS = 64
+
+
+def lean_capacity(cfg, rows: int | None = None) -> tuple[int, int]:
+    """The lean engine's largest generation batch and sequence (CUDA graphs' buffers): a rollout's rows
+    (generation_batch_size, else prompts_per_rank x num_generations) or a greedy evaluation's, whichever is more;
+    max_prompt_length + max_completion_length tokens."""
+    train = cfg.generation_batch_size or rows or cfg.prompts_per_rank * cfg.num_generations
+    return max(train, EVAL_ROWS), cfg.data.max_prompt_length + cfg.max_completion_length
+
+
+def lean_sizing_line(model, rows: int, length: int, cuda_graphs: bool) -> str:
+    """The start line of a lean engine with CUDA graphs: the KV cache its buffers take (decoder.StaticBuffers:
+    K and V of every layer, and the key bias), computed from the model's config before anything is allocated."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    size = next(model.parameters()).element_size()
+    cache = (2 * c.num_hidden_layers * head_dim + 1) * rows * c.num_key_value_heads * length * size
+    return (f"[grpo_dist] lean engine: {'CUDA graphs' if cuda_graphs else 'compiled step'} on buffers allocated once: "
+            f"KV cache {cache / 2**30:.3f} GiB for {rows} rows x {length} tokens; graph pool reported after the "
+            f"first rollout")
 
 
 def vllm_max_model_len(cfg) -> int:

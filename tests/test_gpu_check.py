@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = ROOT.parent / "shared" / "notes" / "gpu-first-run.md"
 STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "train_untied", "evaluate", "cli",
-          "long", "async")
+          "learn", "long", "async")
 
 
 # .ci/run sets this for its main pytest run when its GPU-stack step will run the slow tests below under the lent
@@ -114,6 +114,7 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "CHECK long qwen05_4l 16 rows, cap 64" in summary and "lengths forced: True" in summary
     assert "CHECK meta rank 1 of 2" in summary and "CHECK decode 7b" in summary and "step_time_s=" in summary
+    _check_learn_stage(rows, summary)
     _check_async_stage(rows, summary)
     assert "=== figures" in r.stdout and "step_time_s=" in r.stdout
     # gpu-first-run.md's `gpu_check.py summary $OUT/results.jsonl` reads results.jsonl from the archive
@@ -121,6 +122,20 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert s.returncode == 0 and "decode" in s.stdout and "ms_per_step=" in s.stdout, s.stderr[-2000:]
     assert not list(tmp_path.glob("gpu_check_work.*")), "the work folder is removed when every stage passed"
+
+
+def _check_learn_stage(rows: list[dict], summary: str) -> None:
+    """Issue 36's learn stage: the demo's base model before and after a few steps (smoke: 3 steps of 4 prompts x 8 on
+    8 held-out problems, on the CPU; a smoke run only has to run, the GPU run must gain)."""
+    learn = [x for x in rows if x["stage"] == "learn"]
+    assert len(learn) == 1, learn
+    x = learn[0]
+    assert x["device"] == "cpu" and x["steps"] == 3 and x["prompts_per_rank"] == 4 and x["problems"] == 8 and x["ok"]
+    assert 0 <= x["accuracy_before"] <= 1 and 0 <= x["accuracy_after"] <= 1
+    assert x["gained"] == (x["accuracy_after"] > x["accuracy_before"]) and x["median_step_s"] > 0
+    assert re.search(r"CHECK learn demo on cpu, 1 rank, bf16 mixed precision, 3 steps of 4 prompts x 8: held-out "
+                     r"greedy accuracy \d+\.\d% -> \d+\.\d% on 8 problems \((gained|NO gain)\)", summary), summary
+    assert "learn: ok" in summary and "accuracy_before=" in summary
 
 
 def _check_async_stage(rows: list[dict], summary: str) -> None:
