@@ -80,9 +80,9 @@ def _loop(decoder, ids, mask, repeats, lengths, eos, pad, *, do_sample, threshol
 
 
 def check_compaction_changes_nothing(model, tok, make, lengths, prompts=((5, 6, 7), (9, 10, 11, 12, 13), (14,)),
-                                     modes=(False, True), thresholds=(0.125, 0.25, 0.5)):
+                                     modes=(False, True), thresholds=(0.125, 0.25, 0.5), logprob_atol=0.0):
     """Rows of 3 prompts (G each), lengths forced: compaction at each threshold against none, greedy (False) and
-    sampled (True)."""
+    sampled (True). logprob_atol: 0 asks for bitwise log-probs; the same tokens are always required."""
     G = len(lengths) // len(prompts)
     width = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
@@ -102,7 +102,8 @@ def check_compaction_changes_nothing(model, tok, make, lengths, prompts=((5, 6, 
             for i, ((t0, lp0), (t1, lp1)) in enumerate(zip(base, got)):
                 assert t0 == t1, (do_sample, threshold, i)
                 assert t1[-1] == tok.eos_token_id and tok.eos_token_id not in t1[:-1]
-                assert torch.equal(lp0, lp1), (do_sample, threshold, i, (lp0 - lp1).abs().max())
+                assert torch.equal(lp0, lp1) if not logprob_atol else \
+                    float((lp0 - lp1).abs().max()) <= logprob_atol, (do_sample, threshold, i, (lp0 - lp1).abs().max())
             if isinstance(decoder, LeanDecoder):  # the decode batch really shrank
                 assert decoder.cache[0][0].shape[0] < len(lengths) == decoder._buffers[0][0].shape[0]
 
@@ -122,12 +123,16 @@ def test_tiny_model_compaction_gives_the_same_tokens_and_logprobs(make):
 @pytest.mark.slow  # ~25 s each on the 2-core box
 @pytest.mark.parametrize("make", [LeanDecoder, HFDecoder], ids=["lean", "hf"])
 def test_smollm2_compaction_gives_the_same_sampled_tokens_and_logprobs(smollm2_dir, make):
+    """The same tokens; log-probs within 1e-4, not bitwise: at SmolLM2's widths the CPU's GEMM kernels round a row
+    differently by the batch's row count on some machines (an AVX-512 Xeon: 2.3e-5 after 30 layers, the code of
+    64ad6a2 too, which passed bitwise on the machine of its CI run), and compaction changes the row count. The tiny
+    model's test keeps the bitwise check."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     prompts = [tuple(tok(t).input_ids) for t in ("1, 2, 3, 4,", "The capital of France is", "def f(x):")]
     check_compaction_changes_nothing(model, tok, make, [n // 2 + 1 for n in LENGTHS], prompts, modes=(True,),
-                                     thresholds=(0.125,))
+                                     thresholds=(0.125,), logprob_atol=1e-4)
 
 
 def test_threshold_is_validated_before_anything_loads():
