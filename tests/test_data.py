@@ -138,6 +138,7 @@ def test_offline_without_a_mirror_is_one_clear_error(monkeypatch):
     assert "openai/gsm8k" in msg and "GRPO_DIST_DATA_DIR" in msg and "ConnectionError" in msg
 
 
+@pytest.mark.heavy  # a training subprocess: ~2.6 s; out of `make fast`
 def test_offline_cli_exits_2_naming_dataset_and_variable(tmp_path):
     """The real `datasets` library on a machine with the Hub switched off: one line, exit code 2."""
     import subprocess
@@ -253,6 +254,7 @@ def test_extract_reference():
 
 
 
+@pytest.mark.heavy  # fresh interpreters: ~3.5 s; out of `make fast`
 def test_data_and_trainer_import_without_sympy():
     """References are read with the sympy-free extractor (grpo_dist.rewards.extract): importing the data loader or
     the trainer does not import the grader (grpo_dist.rewards.math) nor sympy."""
