@@ -37,7 +37,7 @@ CLAIMS = {
     "dry_run": ("python -m grpo_dist.train --config configs/smoke_cpu.yaml --dry-run", "README.md",
                 "9 s for the smoke config", 9.0),
     "demo": ("bash launch/demo.sh OUT", "README.md", "~1 min idle", 60.0),
-    "make_fast": ("make fast", "README.md", "`make fast` ~40 s", 40.0),
+    "make_fast": ("make fast", "README.md", "the edit-test tier of the tests, ~40 s", 40.0),
     "real_step": ("torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_real_cpu.yaml (2 steps)",
                   "configs/demo_real_cpu.yaml", "~20 s/step", 20.0),
 }
