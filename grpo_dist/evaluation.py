@@ -69,6 +69,8 @@ class ProgressLines:
     def __init__(self, total: int, label: str, say: Callable[[str], None] = print, quiet_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter):
         self.total, self.label, self.say, self.quiet_s, self.clock = total, label, say, quiet_s, clock
+        self.done = self.shown = self.every = 0
+        self.t0 = self.last = 0.0
         self.reset(total)
 
     def update(self, n: int) -> None:
