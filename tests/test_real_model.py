@@ -1,10 +1,8 @@
 """The fixes of real checkpoints, checked on the real SmolLM2-135M-Instruct weights (grpo_dist.tools.smollm2):
   - the lean decoder's greedy tokens equal `model.generate`'s on 16 chat prompts x 64 new tokens, and the scoring
     pass (completion_logits + selective_log_probs, batched, left-padded) equals a plain forward + log_softmax;
-  - tied embeddings under FSDP with rank-0-only loading: 2 steps straight equal 1 step, a requeued run with
-    resume_from_checkpoint=auto, and 1 more step, bit for bit in weights and optimizer state (it was 4 = 2 + 2: the
-    step after the resume is the one that reads the restored weights, AdamW moments, schedule and RNG, so one is
-    enough, and the test takes half the steps)."""
+  - tied embeddings under FSDP with rank-0-only loading: 4 steps straight equal 2 steps, a requeued run with
+    resume_from_checkpoint=auto, and 2 more steps, bit for bit in weights and optimizer state."""
 
 import pytest
 import torch
@@ -66,7 +64,7 @@ def _real_trainer(model_dir, out, extra=()):
         f"model.name_or_path={model_dir}", "data.use_chat_template=true", "data.limit=8", "prompts_per_rank=1",
         "num_generations=2", "max_completion_length=8", "temperature=1.0", "micro_batch_size=2",
         "rewards=[{function: 'reward_fns:odd_length', weight: 1.0}]", "reward_workers=0", "learning_rate=1e-4",
-        "weight_decay=0.0", "beta=0.04", "max_steps=2", "save_steps=0", "save_format=full",
+        "weight_decay=0.0", "beta=0.04", "max_steps=4", "save_steps=0", "save_format=full",
         "progress_bar=false", "report_to=[jsonl]", "distributed.timeout_s=300", f"output_dir={out}", *extra])
     return GRPOTrainer(cfg, init_distributed(cfg.distributed.timeout_s))
 
@@ -75,16 +73,17 @@ def _straight_and_requeued(rank, world, model_dir, out):
     from grpo_dist.models import load_on_rank0_only
     tr = _real_trainer(model_dir, f"{out}/straight")
     assert load_on_rank0_only(tr.cfg, world)  # rank 1 builds on meta: the path of the original failure
-    for _ in range(2):
+    for _ in range(4):
         tr.train_step()
     tr.save()
     del tr
-    first = _real_trainer(model_dir, f"{out}/requeued")  # killed after 1 step: its checkpoint-1 is the last
-    first.train_step()
+    first = _real_trainer(model_dir, f"{out}/requeued")  # killed after 2 steps: its checkpoint-2 is the last
+    for _ in range(2):
+        first.train_step()
     first.save()
     del first
     tr = _real_trainer(model_dir, f"{out}/requeued", ["resume_from_checkpoint=auto"])
-    assert tr.step == 1
+    assert tr.step == 2
     assert tr.train() == 0
 
 
@@ -93,9 +92,9 @@ def test_real_model_requeue_resumes_bitwise_on_two_fsdp_ranks(smollm2_dir, tmp_p
     from helpers import checkpoint_state as _state
     from helpers import tensors_equal as _tensors_equal
     run_ranks(_straight_and_requeued, 2, tmp_path, smollm2_dir, str(tmp_path), timeout=1500)
-    want = _state(tmp_path / "straight" / "checkpoint-2")
-    got = _state(tmp_path / "requeued" / "checkpoint-2")
+    want = _state(tmp_path / "straight" / "checkpoint-4")
+    got = _state(tmp_path / "requeued" / "checkpoint-4")
     assert "lm_head.weight" not in want[0]
     _tensors_equal(got[:2], want[:2], "requeued")
-    start = _state(tmp_path / "requeued" / "checkpoint-1")[0]
-    assert max((want[0][k] - start[k]).abs().max().item() for k in start) > 0  # step 2 moved the weights
+    start = _state(tmp_path / "requeued" / "checkpoint-2")[0]
+    assert max((want[0][k] - start[k]).abs().max().item() for k in start) > 0  # steps 3-4 moved the weights
