@@ -61,25 +61,29 @@ def _correct_flags(rewards, completions, references, lengths=None, max_len=None,
 
 
 class ProgressLines:
-    """A bar for logs (update(n), close()): one line "<label>: done/total problems (t s)" each time another
-    tenth of the problems is done (generation batches at a time), through say (print, or the trainer's console)."""
+    """A bar for logs (update(n), close()): one line "<label>: done/total problems (t s)" when the pass ends, and
+    before that when another tenth of the problems is done (generation batches at a time) and at least `quiet_s`
+    seconds have passed since the last line, through say (print, or the trainer's console). A pass of a few seconds
+    says one line; a pass of minutes says where it is about every `quiet_s`, at most ten times."""
 
-    def __init__(self, total: int, label: str, say: Callable[[str], None] = print):
-        self.total, self.label, self.say = total, label, say
-        self.done = self.shown = 0
-        self.every = max(1, total // 10)
-        self.t0 = time.perf_counter()
+    def __init__(self, total: int, label: str, say: Callable[[str], None] = print, quiet_s: float = 10.0,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.total, self.label, self.say, self.quiet_s, self.clock = total, label, say, quiet_s, clock
+        self.done = self.shown = self.every = 0
+        self.t0 = self.last = 0.0
+        self.reset(total)
 
     def update(self, n: int) -> None:
         self.done += n
-        if self.done - self.shown >= self.every or self.done >= self.total:
-            self.shown = self.done
-            self.say(f"[grpo_dist] {self.label}: {self.done}/{self.total} problems "
-                     f"({time.perf_counter() - self.t0:.1f} s)")
+        now = self.clock()
+        tenth = self.done - self.shown >= self.every and now - self.last >= self.quiet_s
+        if tenth or self.done >= self.total:
+            self.shown, self.last = self.done, now
+            self.say(f"[grpo_dist] {self.label}: {self.done}/{self.total} problems ({now - self.t0:.1f} s)")
 
     def reset(self, total: int) -> None:
         self.total, self.done, self.shown, self.every = total, 0, 0, max(1, total // 10)
-        self.t0 = time.perf_counter()
+        self.t0 = self.last = self.clock()
 
     def set_description(self, label: str) -> None:
         self.label = label

@@ -48,6 +48,9 @@ def run(cfg, ctx):
             check_model_source("model.tokenizer", cfg.model.tokenizer)
             check_context_length(cfg)
             check_dtype_device(cfg, ctx.device)
+            slow = cpu_half_precision_note(cfg, ctx.device)
+            if slow:
+                print(f"[grpo_dist] {slow}", flush=True)
             check_cuda_graphs(cfg, ctx.device)
             for key in ("path", "eval_path"):
                 check_data_file(f"data.{key}", getattr(cfg.data, key))
@@ -248,6 +251,43 @@ def check_dtype_device(cfg, device) -> None:
     if cfg.model.dtype == "float64" and device.type != "cpu":
         raise ConfigError(f"config key 'model.dtype' = float64 runs on the CPU only (this run is on {device.type}); "
                           f"use float32 or bfloat16")
+
+
+def _matmul_seconds(dtype) -> float:
+    """The best of 5 timings of a [128, 512] x [512, 512] matmul (a small layer's shape): about a millisecond."""
+    import time
+
+    import torch
+    a, b = torch.ones(128, 512, dtype=dtype), torch.ones(512, 512, dtype=dtype)
+    a @ b  # the first call pays one-time setup
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def cpu_half_precision_note(cfg, device, seconds=_matmul_seconds, limit: float = 2.0) -> str | None:
+    """16-bit floats on a CPU: fast where the CPU has bf16/fp16 matrix instructions (AMX, AVX512-BF16), emulated and
+    several times slower than float32 where it has not. Measured here, once, on rank 0 before the model loads, so
+    the warning is about this CPU, not a guess from its name; None when no 16-bit dtype is asked for on a CPU or it
+    is less than `limit` times slower. Not an error: a run may want bf16 numerics on a CPU on purpose."""
+    import torch
+    if getattr(device, "type", str(device)) != "cpu":
+        return None
+    asked = {cfg.model.dtype, {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.distributed.mixed_precision or "")}
+    half = [d for d in ("bfloat16", "float16") if d in asked]
+    if not half:
+        return None
+    base = seconds(torch.float32)
+    slow = {d: seconds(getattr(torch, d)) / base for d in half}
+    slow = {d: r for d, r in slow.items() if r >= limit}
+    if not slow:
+        return None
+    what = ", ".join(f"{d} {r:.1f}x" for d, r in slow.items())
+    return (f"warning: 16-bit floats are slow on this CPU (a matmul measured at start, against float32: {what}): "
+            f"a CPU run is faster with model.dtype=float32 distributed.mixed_precision=null")
 
 
 def check_data_file(key: str, value) -> None:

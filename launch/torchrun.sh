@@ -122,8 +122,19 @@ worker_code() { # worker_code DIR TORCHRUN_STATUS
 GRPO_DIST_EXIT_CODE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/grpo_dist-exit.XXXXXX")
 export GRPO_DIST_EXIT_CODE_DIR
 trap 'rm -rf "$GRPO_DIST_EXIT_CODE_DIR"' EXIT
-"${CMD[@]}" &
+# torchrun's stderr goes through a filter that drops torchrun's own traceback when a signal stops it (and a logging
+# error it can print then), so the trainer's one line stays last (grpo_dist/tools/torchrun_stderr.py); the filter
+# ignores the stop signals and ends when torchrun's stderr closes.
+exec 3> >("$PYTHON" -m grpo_dist.tools.torchrun_stderr >&2)
+FILTER_PID=$!
+# torchrun in a process group of its own (set -m): a terminal's Ctrl-C reaches this script's group only, and the
+# trap below passes it on once. In one group, torchrun got it twice (from the terminal and from the trap), took the
+# second for a second Ctrl-C and sent SIGTERM to the workers: they aborted without the checkpoint of a first Ctrl-C.
+set -m
+"${CMD[@]}" 2>&3 &
 PID=$!
+set +m
+exec 3>&-
 # pass signals on to torchrun (which passes them to the workers: SIGTERM/SIGUSR1 -> checkpoint, exit 75)
 for sig in TERM INT HUP QUIT USR1; do
   # shellcheck disable=SC2064
@@ -136,4 +147,5 @@ while :; do
   if [ "$rc" -gt 128 ] && kill -0 "$PID" 2>/dev/null; then continue; fi
   break
 done
+wait "$FILTER_PID" 2>/dev/null || true  # the filter's last lines before the exit
 exit "$(worker_code "$GRPO_DIST_EXIT_CODE_DIR" "$rc")"

@@ -168,6 +168,7 @@ def _step_with_forced_lengths(rank, world):
     return metrics, lengths.tolist()
 
 
+@pytest.mark.heavy  # 2 spawned ranks: ~6 s; out of `make fast`
 def test_trainer_logs_decode_tokens_summed_over_ranks(tmp_path):
     (m0, l0), (m1, l1) = run_ranks(_step_with_forced_lengths, 2, tmp_path)
     want = expected_row_steps(l0, 0.125) + expected_row_steps(l1, 0.125)
@@ -177,6 +178,7 @@ def test_trainer_logs_decode_tokens_summed_over_ranks(tmp_path):
         assert m["tokens/processed_decode"] == want
 
 
+@pytest.mark.heavy  # a bench subprocess: ~4 s; out of `make fast`
 def test_long_tail_bench_prints_identical_outputs_and_less_padding():
     """bench/generation.py --long-tail (figures are not checked, only its JSON line and what must hold)."""
     import json

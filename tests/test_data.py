@@ -138,6 +138,7 @@ def test_offline_without_a_mirror_is_one_clear_error(monkeypatch):
     assert "openai/gsm8k" in msg and "GRPO_DIST_DATA_DIR" in msg and "ConnectionError" in msg
 
 
+@pytest.mark.heavy  # a training subprocess: ~2.6 s; out of `make fast`
 def test_offline_cli_exits_2_naming_dataset_and_variable(tmp_path):
     """The real `datasets` library on a machine with the Hub switched off: one line, exit code 2."""
     import subprocess
@@ -253,6 +254,7 @@ def test_extract_reference():
 
 
 
+@pytest.mark.heavy  # fresh interpreters: ~3.5 s; out of `make fast`
 def test_data_and_trainer_import_without_sympy():
     """References are read with the sympy-free extractor (grpo_dist.rewards.extract): importing the data loader or
     the trainer does not import the grader (grpo_dist.rewards.math) nor sympy."""
@@ -475,3 +477,30 @@ def test_sampler_world_size_change():
         PromptSampler(ex, 2, 0, 4, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="examples"):
         PromptSampler(_examples(41), 2, 0, 4, seed=0).load_state_dict(state)
+
+
+def test_data_mirror_tool_writes_what_the_presets_read(monkeypatch, tmp_path):
+    """grpo_dist.tools.data_mirror (the README's recipe for an offline machine) writes every preset file from the
+    rows `datasets` returns, and the presets then load those rows through GRPO_DIST_DATA_DIR. The loader is faked:
+    what is checked is the mirror's layout and fields, not the Hub."""
+    from grpo_dist.data.presets import HUB_SOURCES
+    from grpo_dist.tools.data_mirror import write_mirror
+    boxed = "so it is $\\boxed{4}$."
+    rows = {"openai/gsm8k": [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}],
+            "HuggingFaceH4/MATH-500": [{"problem": "What is $2+2$?", "solution": boxed, "answer": "4"}],
+            "DigitalLearningGmbH/MATH-lighteval": [{"problem": "What is $2+2$?", "solution": boxed},
+                                                   {"problem": "What is $3+3$?", "solution": "$\\boxed{6}$"}]}
+    asked = []
+
+    def load(name, config, split):
+        asked.append((name, config, split))
+        return iter(rows[name])
+
+    done = write_mirror(tmp_path, load)
+    assert sorted(asked) == sorted(HUB_SOURCES.values()) and set(done) == set(HUB_SOURCES)
+    assert done["math_test5000/test.jsonl"][0] == 2 and not list(tmp_path.rglob("*.partial"))
+    monkeypatch.setenv("GRPO_DIST_DATA_DIR", str(tmp_path))
+    assert [(e.prompt, e.answer) for e in load_examples(cfg(preset="gsm8k"))] == [("What is 2+2?", "4")]
+    assert [e.answer for e in load_examples(cfg(preset="math500"))] == ["4"]
+    math_train = load_examples(cfg(preset="math"))  # MATH minus MATH-500: only the 3+3 problem is left
+    assert [(e.prompt, e.answer) for e in math_train] == [("What is $3+3$?", "6")]

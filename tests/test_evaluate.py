@@ -107,6 +107,7 @@ def test_cli_two_ranks_match_one_process(tmp_path):
     for r in rows:  # cut off = no EOS, so it used every allowed token; an answer that stopped used fewer or as many
         assert r["num_tokens"] == 3 if r["truncated"] else 1 <= r["num_tokens"] <= 3
 
+@pytest.mark.heavy  # a 1-step training run, then 3 evaluation processes: ~14 s; out of `make fast`
 def test_output_dir_without_config_uses_the_runs_config(tmp_path):
     """A run trained with its own reward function (here: always full marks) is evaluated with that function when
     --model is its output_dir or a checkpoint and no --config is given; the defaults (math_reward) would give 0 for

@@ -179,6 +179,7 @@ def _run_script(tmp_path, body, *args, module=False, timeout=120):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
 
 
+@pytest.mark.heavy  # a fresh interpreter importing torch: ~2 s; out of `make fast`
 def test_works_under_python_m_with_torch_imported(tmp_path):
     # like `python -m grpo_dist.train` under torchrun: torch imported, no __main__ guard;
     # workers must not re-import (and so re-run) the main module.

@@ -271,3 +271,39 @@ def test_torchrun_sh_passes_the_workers_exit_code(tmp_path, args, env, code):
     r = run(TORCHRUN, CONFIG, f"output_dir={tmp_path / 'run'}", "max_steps=2", "reward_workers=0",
             "progress_bar=false", *args, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **env)
     assert r.returncode == code, r.stderr[-3000:]
+
+
+@pytest.mark.slow  # 2 ranks of the smoke config until step 2, then a Ctrl-C: ~20 s
+def test_ctrl_c_at_launch_torchrun_sh_checkpoints_exits_75_and_the_trainers_line_is_last(tmp_path):
+    """A terminal's Ctrl-C goes to the launcher's whole process group. torchrun used to be in it and get the SIGINT
+    twice (from the terminal and from the launcher's trap), take the second for a second Ctrl-C and SIGTERM the
+    workers: they aborted with no checkpoint and torchrun's traceback came last. Now: one stop, the checkpoint of the
+    step, exit 75, and the trainer's line is the last one on the screen."""
+    import signal
+    import time
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NPROC", "NNODES", "MASTER_"))}
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / "screen.txt"
+    with open(log, "w") as screen:
+        p = subprocess.Popen(["bash", TORCHRUN, CONFIG, f"output_dir={out}", "max_steps=500", "reward_workers=0",
+                              "progress_bar=false", "save_steps=0"], cwd=REPO, env=env, stdout=screen,
+                             stderr=subprocess.STDOUT, start_new_session=True)  # its own group, as a terminal's job
+        try:
+            deadline = time.monotonic() + 240
+            while not (out / "metrics.jsonl").is_file() or (out / "metrics.jsonl").read_text().count("\n") < 2:
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C
+            code = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    screen_text = log.read_text()
+    assert code == 75, screen_text[-3000:]
+    assert len(list(out.glob("checkpoint-*"))) == 1, screen_text[-3000:]
+    assert "Traceback" not in screen_text and "SIGTERM): aborting" not in screen_text, screen_text[-3000:]
+    last = [ln for ln in screen_text.splitlines() if ln.strip()][-1]
+    assert last.startswith("[grpo_dist] stop requested: checkpoint written at step ") and \
+        last.endswith("exiting with code 75"), screen_text[-3000:]

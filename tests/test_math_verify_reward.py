@@ -63,6 +63,7 @@ def test_overlong_grading_is_a_counted_error_in_process(monkeypatch, capfd):
     assert "math-verify took over 0.5 s" in capfd.readouterr().err
 
 
+@pytest.mark.heavy  # waits out a grading time limit: ~3.4 s; out of `make fast`
 def test_overlong_grading_is_killed_in_a_worker():
     # 3 s: the replacement worker imports math-verify (~1 s) within the next item's limit
     with RewardComputer([{"function": SPEC}], num_workers=1, timeout_s=3.0) as rc:
@@ -72,6 +73,7 @@ def test_overlong_grading_is_killed_in_a_worker():
         assert totals == [0.0, 1.0] and rc.last_errors == {"math_verify_reward": 1}
 
 
+@pytest.mark.heavy  # a training subprocess: ~2 s; out of `make fast`
 def test_missing_package_refused_at_start_in_one_line(tmp_path):
     """Without math-verify the config is refused before any model loads, with the pip command, in one line."""
     (tmp_path / "math_verify.py").write_text("raise ImportError('No module named math_verify')\n")

@@ -169,7 +169,7 @@ def _real_batch(n=6, seed=5):
 
 
 @pytest.mark.real_model
-@pytest.mark.slow  # ~100 s each on the 2-core box (float64 forwards and 12 backwards of the 135M model)
+@pytest.mark.slow  # ~100 s without LoRA on the 2-core box (float64 forwards and 12 backwards of the 135M model)
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
     """The issue's bar, 1e-5 on per-token log-probs, entropies, every loss and its gradient, compared in float64.
@@ -193,6 +193,12 @@ def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     assert model.config._attn_implementation == "sdpa"
     if lora_r:
+        # The LoRA case on the first 6 of the 30 layers (real weights, every adapted module kind; ~3x cheaper
+        # by FLOPs: the head stays), in
+        # float64 only: what it adds to the full-depth case without LoRA is the adapter wrapping on the packed
+        # path, which depth does not change; the full depth and the fp32 check are covered there.
+        model.model.layers = model.model.layers[:6]
+        model.config.num_hidden_layers = 6
         apply_lora(model, LoraConfig(r=lora_r, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), 0)
         with torch.no_grad():  # B = 0 would make the adapted model the base one
             for name, p in model.named_parameters():
@@ -201,11 +207,13 @@ def test_packed_equals_padded_on_smollm2(smollm2_dir, lora_r):
     mb = _real_batch()
     mask = mb.completion_mask.bool()
     from grpo_dist.logprobs import selective_log_probs
-    with torch.no_grad():  # fp32: packed against each row's own forward
-        logits, labels, to_rows = completion_forward(model.eval(), mb, True)
-        packed = to_rows(selective_log_probs(logits, labels, temperature=0.9))
-        truth = _alone(model, mb)[0]
-    assert float((packed - truth)[mask].abs().max()) <= PACKED_FP32_TOL
+    if not lora_r:  # fp32: packed against each row's own forward, at full depth (a cut model's log-probs are
+        # large enough that fp32's rounding alone passes 1e-5; the adapters do not change the packing)
+        with torch.no_grad():
+            logits, labels, to_rows = completion_forward(model.eval(), mb, True)
+            packed = to_rows(selective_log_probs(logits, labels, temperature=0.9))
+            truth = _alone(model, mb)[0]
+        assert float((packed - truth)[mask].abs().max()) <= PACKED_FP32_TOL
     diffs, out = _compare_paths(model.double().train(), mb)
     assert out[True][0].dtype == torch.float64
     _check(diffs)  # every difference <= TOL, no noise floor

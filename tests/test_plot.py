@@ -21,6 +21,7 @@ def test_ema_is_debiased_exponential_average():
     assert ema(xs, 0.0) == xs
 
 
+@pytest.mark.heavy  # imports matplotlib and renders: ~2 s; out of `make fast`
 def test_plot_writes_every_panel(tmp_path):
     rows = []
     for step in range(1, 41):

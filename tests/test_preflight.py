@@ -159,3 +159,36 @@ def test_huge_prompt_rows_cut_before_tokenizing(capsys):
     assert out[0].prompt.endswith("tail") and out[1] is rows[1]  # kept from the right, like the token truncation
     warn = capsys.readouterr().out
     assert warn.count("warning") == 1 and "train.jsonl: 2 of 3 prompts are longer than" in warn
+
+
+@pytest.mark.fast
+def test_half_precision_on_a_cpu_warns_once_when_measured_slow():
+    """bf16 / fp16 on a CPU without 16-bit matrix units is emulated: the start-up note names each dtype asked for
+    (model.dtype or mixed_precision) with its measured slowdown against float32, and says nothing when it is not
+    slow, when only float32 is asked for, or on a GPU. The timer is injected: what is checked is the rule."""
+    import torch
+
+    from grpo_dist.config import load_config
+    from grpo_dist.preflight import cpu_half_precision_note
+    cpu = torch.device("cpu")
+    calls = []
+
+    def timer(ratios):
+        def seconds(dtype):
+            calls.append(dtype)
+            return {torch.float32: 1.0, torch.bfloat16: ratios[0], torch.float16: ratios[1]}[dtype]
+        return seconds
+
+    bf16 = load_config(None, ["model.dtype=bfloat16"])
+    note = cpu_half_precision_note(bf16, cpu, timer((3.0, 1.0)))
+    assert note is not None and "bfloat16 3.0x" in note and "float16" not in note.replace("bfloat16", "")
+    assert "model.dtype=float32" in note
+    assert cpu_half_precision_note(bf16, cpu, timer((1.9, 1.0))) is None  # under the 2x limit
+    assert cpu_half_precision_note(bf16, torch.device("meta"), timer((9.0, 9.0))) is None  # not a CPU
+    mixed = load_config(None, ["distributed.mixed_precision=fp16"])
+    assert "float16 5.0x" in cpu_half_precision_note(mixed, cpu, timer((9.0, 5.0)))
+    calls.clear()
+    assert cpu_half_precision_note(load_config(None, []), cpu, timer((9.0, 9.0))) is None
+    assert calls == []  # float32 only: nothing is timed
+    ratio = cpu_half_precision_note(bf16, cpu, limit=0.0)  # the real timer: runs, and names a finite ratio
+    assert ratio is not None and "bfloat16" in ratio

@@ -1,5 +1,6 @@
 """Long silent phases say what they do: model loading (a line before, one after with the time), the evaluations
-(a line per tenth of rank 0's problems when not in a terminal, one line with the accuracy and the time), and the
+(when not in a terminal: a line when a pass ends, and one per tenth of rank 0's problems at least 10 s apart before
+that; one line with the accuracy and the time), and the
 demo's base-model build (a line per tenth of its warm-start steps). One CPU process, the tiny model, a few
 seconds."""
 
@@ -22,12 +23,13 @@ def test_trainer_says_model_loading_and_each_evaluation_with_times(tmp_path, cap
         assert name in printed
         assert any(line.startswith(f"{name} done in ") and line.endswith(" s") for line in printed), printed
 
-    # the evaluation tool's evaluate(progress=True), not in a terminal: lines on stderr, per tenth of the problems
+    # the evaluation tool's evaluate(progress=True), not in a terminal: lines on stderr; a pass of a few seconds says
+    # one line (test_progress_lines_are_per_tenth_and_at_least_quiet_s_apart has the rule)
     result = evaluate(tr.rollout_engine, tr.tokenizer, tr.eval_examples[:20], cfg, tr.ctx, tr.rewards,
                       num_samples=2, batch_size=4, progress=True)
     err = capsys.readouterr().err.splitlines()
     greedy = [line for line in err if line.startswith("[grpo_dist] greedy (rank 0): ")]
-    assert greedy[-1].startswith("[grpo_dist] greedy (rank 0): 20/20 problems (") and len(greedy) == 5, err
+    assert greedy[-1].startswith("[grpo_dist] greedy (rank 0): 20/20 problems (") and len(greedy) == 1, err
     assert any(line.startswith("[grpo_dist] 2 samples (rank 0): 20/20 problems (") for line in err), err
     assert result["num_examples"] == 20
 
@@ -49,3 +51,22 @@ def test_demo_base_build_prints_a_line_per_tenth_of_its_steps(tmp_path):
     steps = [line for line in lines if line.startswith("[demo] warm start: step ")]
     assert [line.split()[4].rstrip(",") for line in steps] == [f"{i}/20" for i in range(2, 21, 2)], lines
     assert all(", loss " in line and line.endswith(" s)") for line in steps)
+
+
+def test_progress_lines_are_per_tenth_and_at_least_quiet_s_apart():
+    """ProgressLines (evaluation's log lines): the end of a pass always says a line; before it, a line when another
+    tenth of the problems is done and quiet_s seconds have passed since the last line. The clock is injected."""
+    from grpo_dist.evaluation import ProgressLines
+    now = [0.0]
+    lines: list[str] = []
+    bar = ProgressLines(100, "greedy", lines.append, quiet_s=10.0, clock=lambda: now[0])
+    for _ in range(10):  # 10 problems a second: a tenth each second, a line at most every 10 s
+        now[0] += 1.0
+        bar.update(10)
+    assert lines == ["[grpo_dist] greedy: 100/100 problems (10.0 s)"]
+    lines.clear()
+    bar.reset(100)
+    for _ in range(20):  # 5 problems every 6 s: a tenth each 12 s, so a line at each tenth, 10 in all
+        now[0] += 6.0
+        bar.update(5)
+    assert [line.split()[2] for line in lines] == [f"{10 * i}/100" for i in range(1, 11)], lines

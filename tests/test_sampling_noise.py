@@ -131,6 +131,7 @@ def _rollouts(rank, world, prompts_per_rank, steps):
     return out
 
 
+@pytest.mark.heavy  # 1 then 2 spawned ranks: ~9 s; out of `make fast`
 def test_one_rank_and_two_ranks_sample_the_same_completions_for_the_same_global_batch(tmp_path):
     one = run_ranks(_rollouts, 1, tmp_path, 4, 2)[0]
     two = run_ranks(_rollouts, 2, tmp_path, 2, 2)

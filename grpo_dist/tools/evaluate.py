@@ -207,6 +207,8 @@ def main(argv=None) -> int:
         print(f"grpo_dist.tools.evaluate: {e}", file=sys.stderr)
         return 2
 
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no 'Loading weights' bar per model: the load is one line before and after
     ctx = gdist.init_distributed(cfg.distributed.timeout_s, cfg.distributed.num_threads)
     rewards = model = None
     try:
