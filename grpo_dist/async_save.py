@@ -8,8 +8,8 @@ of a synchronous save, in the same order, so what counts as intact (manifest.py)
 moment leaves no final-named directory without its complete manifest.
 
 Collectives: the background thread runs the save's own collectives (DCP's plan and metadata, the manifest's hash
-gather, the agreement on write errors) in a gloo group of the same ranks, created once at the first background
-save (distributed.thread_group), so they never interleave with the training thread's in the training group. Every
+gather, the agreement on write errors) in a gloo group of the same ranks, created once when the saver is built
+(distributed.thread_group), so they never interleave with the training thread's in the training group. Every
 rank starts, polls and waits for a save at the same points of the loop, and `poll` decides by an all-reduce, so
 every rank runs the same collectives in the same order whichever rank's thread finishes first.
 
@@ -35,9 +35,11 @@ class BackgroundSaver:
     """At most one checkpoint write running in a background thread (see the module docstring)."""
 
     def __init__(self, timeout_s: float = 600.0) -> None:
+        """Collective: the saver's gloo group is made here, at start, while the rendezvous store is sure to be up.
+        Made at the first save instead, it could not be made by a run whose launcher had died (the store lives in
+        torchrun's agent), so the checkpoint that stop is meant to write would fail."""
         self.timeout_s = timeout_s  # of the saver's collectives: distributed.timeout_s, as the training group's
-        self._group = None
-        self._group_made = False
+        self._group = gdist.new_gloo_group_of_current(timeout_s)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._started = 0.0  # perf_counter at the start of the save (its foreground part)
@@ -50,11 +52,8 @@ class BackgroundSaver:
         return self._thread is not None
 
     def start(self, write: Callable[[], None], path: Path, started: float) -> None:
-        """Run write() in the background (its collectives in the saver's gloo group). Collective on the first
-        call: the group is made then."""
+        """Run write() in the background (its collectives in the saver's gloo group, made at construction)."""
         assert self._thread is None, "a save is already in flight: wait() first"
-        if not self._group_made:
-            self._group, self._group_made = gdist.new_gloo_group_of_current(self.timeout_s), True
         self._error, self.path, self._started = None, Path(path), started
         self._thread = threading.Thread(target=self._run, args=(write,), name="grpo_dist-save")
         self._thread.start()

@@ -28,7 +28,7 @@ RECORDED = ("loss", "reward_mean", "grad_norm", "eval_accuracy")  # per step (ev
 
 def is_timing(metric: str) -> bool:
     """Wall-clock metrics (seconds, rates, the timestamp): the only ones two runs of one command may differ in."""
-    return metric == "time" or metric.endswith("_s")
+    return metric == "time" or metric.endswith("_s") or "_per_s_" in metric or metric.startswith("mfu")
 
 COMMON = ["progress_bar=false", "report_to=[jsonl]", "save_steps=0", "save_final=false", "save_best=null",
           "eval_steps=1", "distributed.timeout_s=120"]
