@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (what the README says to run, file that states the clock, text stating it there, claimed seconds)
 CLAIMS = {
-    "smoke": ("python -m grpo_dist.train --config configs/smoke_cpu.yaml", "README.md", "~9 s", 9.0),
+    "smoke": ("python -m grpo_dist.train --config configs/smoke_cpu.yaml", "README.md", "a tiny model, ~4 s", 4.0),
     "dry_run": ("python -m grpo_dist.train --config configs/demo_cpu.yaml --dry-run", "README.md",
-                "rehearse the demo's config: \"can learn\", ~10 s", 10.0),
-    "demo": ("bash launch/demo.sh OUT", "README.md", "~1 min idle", 60.0),
-    "make_fast": ("make fast", "README.md", "the edit-test tier of the tests, ~40 s", 40.0),
+                "rehearse the demo's config: \"can learn\", ~4 s", 4.0),
+    "demo": ("bash launch/demo.sh OUT", "README.md", "~40 s idle", 40.0),
+    "make_fast": ("make fast", "README.md", "the edit-test tier of the tests, ~35 s", 35.0),
     "real_step": ("torchrun --nproc_per_node 2 -m grpo_dist.train --config configs/demo_real_cpu.yaml (2 steps)",
-                  "configs/demo_real_cpu.yaml", "~20 s/step", 20.0),
+                  "configs/demo_real_cpu.yaml", "~18 s/step", 18.0),
 }
 WITHIN = 1.5  # the bar: a fresh clone's quick start within 1.5x of the README on an idle machine
 
