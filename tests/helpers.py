@@ -222,3 +222,12 @@ def fill(where: Path, leave: int) -> Path:
     with open(filler, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, n)
     return filler
+
+
+def flip(path) -> None:
+    """Invert one byte in the middle of a file: same size, so only the checksum can tell (a damaged checkpoint)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import flip
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "grpo_dist.train", "--config", "configs/smoke_cpu.yaml", "progress_bar=false",
          "reward_workers=0", "save_steps=1"]
@@ -28,15 +30,6 @@ def train(out, *overrides):
         env.pop(k, None)  # a plain single process, whatever in-process tests left behind
     return subprocess.run(TRAIN + [f"output_dir={out}", *overrides], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-
-
-def flip(path: Path) -> None:
-    """Invert one byte in the middle of the file: same size, so only the checksum can tell."""
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def digest(folder: Path) -> dict:

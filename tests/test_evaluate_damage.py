@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import flip
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,15 +36,6 @@ def evaluate_here(capsys, model, *extra):
     from grpo_dist.tools.evaluate import main
     code = main(["--model", str(model), "--limit", "2", *extra, "reward_workers=0"])
     return code, capsys.readouterr().err
-
-
-def flip(path: Path) -> None:
-    """One byte in the middle inverted: same size, only the checksum can tell."""
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def one_line(stderr: str) -> str:
