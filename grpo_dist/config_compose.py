@@ -203,12 +203,6 @@ def _without_excerpt(message: str, where: str) -> str:
     return kind + (f" at line {pos.group(1)}, column {pos.group(2)}" if pos else "")
 
 
-def compose_file(path: Path) -> tuple[dict, dict[str, str]]:
-    """A config file with its defaults chain merged under it (defaults may reach the file's folder and the shipped
-    configs)."""
-    return _Composer([path.parent]).file(path)
-
-
 def compose(path: str | Path | None, exps: list[str], base: dict | None = None) -> tuple[dict, dict[str, str]]:
     """The config dict of `path` (its defaults chain merged under it; or `base` when there is no file), with the
     +exp files merged over it in order, and the source of every key written in a file. `defaults:` may name files
