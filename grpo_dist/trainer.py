@@ -435,6 +435,7 @@ class GRPOTrainer:
                                                     "log_failed": float(failed is not None)},
                                                    self.ctx.device)  # every rank agrees to stop
                 if float(votes["log_failed"]):
+                    self._finish_save_after(None)  # the save in flight may be the last checkpoint
                     last = ckpt.latest_checkpoint(cfg.output_dir)
                     raise MetricsWriteError(f"{failed or 'rank 0 could not append to its logs'}; "
                                             f"the last checkpoint is {last or 'none'}: free space and rerun with "
@@ -513,7 +514,7 @@ class GRPOTrainer:
         out, self._save_metrics = self._save_metrics, {}
         return out
 
-    def _finish_save_after(self, error: BaseException) -> None:
+    def _finish_save_after(self, error: BaseException | None) -> None:
         """On the way out with an error: let the save in flight finish (an intact checkpoint is worth keeping);
         its own failure is one line, as the error that ends the run is already on its way."""
         if self.saver is None or not self.saver.in_flight() or isinstance(error, KeyboardInterrupt):
@@ -523,6 +524,12 @@ class GRPOTrainer:
         except BaseException as e:  # noqa: BLE001 - reported, not raised over the error that ends the run
             if self.ctx.is_main:
                 print(f"[grpo_dist] the checkpoint save in flight failed too: {e}", flush=True)
+
+    def _checkpoint_note(self) -> str:
+        """The newest intact checkpoint for a stop message, after the save in flight is done (with async_save the
+        previous step's checkpoint may still be writing; naming "no checkpoint" then would be false)."""
+        self._finish_save_after(None)
+        return nonfinite.checkpoint_note(self.cfg.output_dir)
 
     def _stop_code(self, stop: bool, cannot_learn: str | None) -> int:
         """The exit code that ends the loop after this step (0: go on), with its one line. A requested stop wins."""
@@ -969,7 +976,7 @@ class GRPOTrainer:
         if problem:
             raise NonFiniteError(
                 f"parameters: {problem} at step {self.step + 1} (learning_rate {self.engine.current_lr():.3g}); "
-                f"stopping before any checkpoint holds them. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "
+                f"stopping before any checkpoint holds them. {self._checkpoint_note()}. "
                 f"Lower learning_rate{self._precision_advice()}")
 
     def _train_micro_batch(self, layout, advantages: torch.Tensor, normaliser: float,
@@ -1066,7 +1073,7 @@ class GRPOTrainer:
         if self.consecutive_nonfinite >= self.cfg.max_consecutive_nonfinite:
             raise NonFiniteError(
                 f"{cause}: {self.consecutive_nonfinite} consecutive steps had {what} (the last: step "
-                f"{self.step + 1}); stopping. {nonfinite.checkpoint_note(self.cfg.output_dir)}. "
+                f"{self.step + 1}); stopping. {self._checkpoint_note()}. "
                 f"{nonfinite.advice(cause, self._precision_advice())}")
 
     def _precision_advice(self) -> str:

@@ -41,6 +41,13 @@ def test_enormous_rewards_are_named(reward, extra, cause, words, tmp_path):
 @pytest.mark.parametrize("fault, cause, words", [("nan", "loss", "a NaN/inf loss"),
                                                  ("nan_grad", "gradient", "a NaN/inf gradient norm")])
 def test_loss_and_gradient_are_named_with_the_newest_checkpoint(fault, cause, words, tmp_path, monkeypatch):
+    """With async_save (the default) step 1's checkpoint is still being written when step 2 stops: the message
+    waits for it. The write is slowed so that the race is always lost without that wait (CI found it once)."""
+    import time
+
+    from grpo_dist import checkpoint
+    slow_run = checkpoint._SaveJob.run
+    monkeypatch.setattr(checkpoint._SaveJob, "run", lambda job: (time.sleep(1.0), slow_run(job))[1])
     monkeypatch.setenv("GRPO_DIST_FAULT", f"{fault}@step2")
     tr = _trainer(tmp_path, "rewards=[{function: 'reward_fns:odd_length'}]")
     msg = _stop_message(tr)
