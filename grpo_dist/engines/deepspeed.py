@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
-from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.engines.base import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import cast_parameters_, decoder_layer_classes, fill_from_rank0, load_on_rank0_only
 
 ENGINE_STATE_DIR = "deepspeed"  # inside checkpoint-<step>/
