@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from grpo_dist.config.choices import SCALE_REWARDS
+
 # added to the std; rewards [1,1,0,0] then give +-0.8659, as in the GRPO-from-scratch recipe's worked example
 ADV_EPS = 1e-4
 
@@ -45,7 +47,7 @@ def _sized_group_advantages(rewards: torch.Tensor, sizes: list[int], scale_rewar
                             batch_std: float | torch.Tensor | None, eps: float) -> torch.Tensor:
     if sum(sizes) != rewards.numel() or any(g < 1 for g in sizes):
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of sizes {sizes}")
-    if scale_rewards not in ("group", "batch", "none"):
+    if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
     r = rewards.double()
     out = []

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_dist.config import K1_IN_LOSS  # the one-line refusal of k1 as a loss term
-
-LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo")
+from grpo_dist.config.choices import KL_ESTIMATORS, LOSS_TYPES  # the config's choices, one source
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -21,8 +20,6 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

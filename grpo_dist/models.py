@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from grpo_dist.config import TINY_DEFAULTS, ConfigError, ModelConfig, tiny_problems
+from grpo_dist.config.choices import TRAINING_BACKENDS
 
 # float64: CPU only (preflight.check_dtype_device), for runs whose numbers must not depend on the CPU's kernels
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -155,7 +156,7 @@ def load_on_rank0_only(cfg, world_size: int) -> bool:
     a broadcast before deepspeed.initialize (fill_from_rank0). Same answer on every rank. Tiny random models are
     seeded identically on every rank and need none of it."""
     return (cfg.model.name_or_path is not None and world_size > 1
-            and cfg.distributed.backend in ("fsdp", "fsdp2", "deepspeed"))
+            and cfg.distributed.backend in TRAINING_BACKENDS)  # every engine fills from rank 0
 
 
 def fill_from_rank0(model: torch.nn.Module, device) -> torch.nn.Module:

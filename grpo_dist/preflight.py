@@ -14,7 +14,8 @@ import re
 import shutil
 from pathlib import Path
 
-from grpo_dist.config import ConfigError, context_problems
+from grpo_dist.config.checks import context_problems
+from grpo_dist.config.errors import ConfigError
 
 # What a previous run leaves in output_dir (metrics.py, checkpoint.py): a fresh run there needs consent.
 # metrics.jsonl.N, completions.jsonl.N: the rows a resume replaced, kept (metrics.drop_steps_after)

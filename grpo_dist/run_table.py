@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from grpo_dist.config.choices import FSDP_BACKENDS
+
 
 def run_numbers(cfg, world_size: int) -> dict:
     """The per-step sizes of this config on world_size ranks."""
@@ -24,7 +26,7 @@ def run_numbers(cfg, world_size: int) -> dict:
 
 def training_engine(cfg) -> str:
     d = cfg.distributed
-    sharding = d.sharding_strategy if d.backend in ("fsdp", "fsdp2") else f"ZeRO-{d.zero_stage}"
+    sharding = d.sharding_strategy if d.backend in FSDP_BACKENDS else f"ZeRO-{d.zero_stage}"
     if d.backend == "deepspeed" and d.deepspeed_config:
         sharding += f" (or as {d.deepspeed_config} says)"
     precision = f"mixed precision {d.mixed_precision}" if d.mixed_precision else "full precision"

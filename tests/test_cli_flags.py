@@ -5,7 +5,7 @@ import pytest
 
 from grpo_dist.config import ConfigError, expand_flags, load_config, main
 from grpo_dist.train import parse_args
-from grpo_dist.trl_names import TRL_NAMES, edit_distance, typo_of
+from grpo_dist.config.trl_names import TRL_NAMES, edit_distance, typo_of
 
 pytestmark = pytest.mark.fast
 

@@ -1,4 +1,4 @@
-"""Composable configs (grpo_dist.config_compose): `defaults:` chains, deep merge of sections, cycles, `+exp=NAME`,
+"""Composable configs (grpo_dist/config/compose.py): `defaults:` chains, deep merge of sections, cycles, `+exp=NAME`,
 the command line winning, where each value came from (`--check`), the resolved config as the one source for resume
 and evaluate, and the config module without its old import circle. No model is loaded."""
 
@@ -159,7 +159,7 @@ def test_a_defaults_key_inside_a_saved_base_dict_is_not_followed(tmp_path):
 
 
 def test_the_arithmetic_defaults_of_the_data_section_are_the_generators():
-    from grpo_dist.config_sections.data import ARITHMETIC_DEFAULTS
+    from grpo_dist.config.choices import ARITHMETIC_DEFAULTS
     from grpo_dist.data.arithmetic import synthetic_arithmetic
     params = inspect.signature(synthetic_arithmetic).parameters
     assert ARITHMETIC_DEFAULTS == {k: params[k].default for k in params if k != "split"}
@@ -188,7 +188,7 @@ def test_the_option_listing_shows_defaults_and_exp(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out.splitlines()
     head = out[0]
-    assert head.startswith("[composition]") and "docs/configs.md" in head and "config_compose.py" in head
+    assert head.startswith("[composition]") and "docs/configs.md" in head and "config/compose.py" in head
     defaults = next(line for line in out if line.startswith("defaults = "))
     assert "in a config file" in defaults and "before the file itself" in defaults
     exp = next(line for line in out if line.startswith("+exp=NAME"))
@@ -256,7 +256,7 @@ def test_a_diamond_of_defaults_reads_each_file_once(tmp_path, monkeypatch):
     """14 two-line files, each level's two naming both of the next level's: every file is reached 2^level times
     (127 reads on the code before, doubling with each level: 14 more files took over 100 s). Each file is read
     and expanded once; the merge is the same, and a cycle is still found."""
-    import grpo_dist.config as config
+    import grpo_dist.config.compose as compose  # where the composer reads each file
     levels = 7
     for k in range(levels):
         for side in "ab":
@@ -264,8 +264,8 @@ def test_a_diamond_of_defaults_reads_each_file_once(tmp_path, monkeypatch):
             write(tmp_path, f"{side}{k}.yaml", nxt + f"seed: {k}\n")
     top = write(tmp_path, "top.yaml", "defaults: [a0.yaml, b0.yaml]\nlearning_rate: 0.5\n")
     reads = []
-    real = config.load_yaml
-    monkeypatch.setattr(config, "load_yaml", lambda text, where: reads.append(where) or real(text, where))
+    real = compose.load_yaml
+    monkeypatch.setattr(compose, "load_yaml", lambda text, where: reads.append(where) or real(text, where))
     cfg = load_config(top)
     assert sorted(reads) == sorted({*reads}) and len(reads) == 2 * levels + 1, reads
     assert (cfg.seed, cfg.max_steps, cfg.learning_rate) == (0, 3, 0.5)  # the nearer level wins, as before

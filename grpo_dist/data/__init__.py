@@ -1,7 +1,7 @@
 """Prompt data, one job per module:
 
 * :mod:`~grpo_dist.data.loading`: ``load_examples``, the train / eval split a data config names, and
-  ``data_config_problems`` (defined with DataConfig in grpo_dist/config_sections/data.py), the config's problems
+  ``data_config_problems`` (grpo_dist/config/data_checks.py), the config's problems
   found without reading a file;
 * :mod:`~grpo_dist.data.presets`: the presets (gsm8k, math500, math, arithmetic), their Hub datasets and offline
   mirror ($GRPO_DIST_DATA_DIR), ``resolve_data_config``;

@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from grpo_dist.config_sections.data import (_SMALL_SPACE, DataConfig, _argument_problems, _size_problem, _space,
-                                         options_problems)  # noqa: F401  (the options' checks live with DataConfig)
+from grpo_dist.config.data_checks import (_SMALL_SPACE, _argument_problems, _size_problem, _space,  # noqa: F401
+                                         options_problems)  # (the options' checks live with the config's)
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.examples import DataError, PromptExample
 
 _EVAL_FRACTION = 0.2

@@ -9,7 +9,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from grpo_dist.config_sections.base import short
+from grpo_dist.config.errors import short
 from grpo_dist.data.examples import DataError
 
 

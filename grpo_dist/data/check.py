@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from grpo_dist.config_sections.data import DataConfig
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.conversational import conversation_problems
 from grpo_dist.data.examples import DataError
 from grpo_dist.data.files import load_file

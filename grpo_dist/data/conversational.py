@@ -6,7 +6,7 @@ refused here rather than ignored."""
 
 from __future__ import annotations
 
-from grpo_dist.config_sections.data import DataConfig
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.examples import DataError, PromptExample
 from grpo_dist.data.chat_template import RenderedPrompt, chat_prompt
 

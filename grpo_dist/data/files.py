@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from grpo_dist.config.choices import ANSWER_FORMATS
 from grpo_dist.data.examples import DataError, PromptExample
 from grpo_dist.data.presets import DATA_DIR_ENV
 from grpo_dist.rewards.extract import last_boxed  # one extractor for references and completions
@@ -41,7 +42,7 @@ def load_file(path: str, prompt_field: str, answer_field: str, answer_format: st
               limit: Optional[int]) -> list[PromptExample]:
     """The first `limit` rows (all with None) of a .jsonl / .json / .parquet file or an hf:NAME[:CONFIG]:SPLIT
     dataset, each checked and its reference answer extracted with `answer_format`."""
-    if answer_format not in ("raw", "gsm8k", "boxed"):
+    if answer_format not in ANSWER_FORMATS:
         raise DataError(f"config key 'data.answer_format' = {answer_format!r} is not allowed; choose raw, gsm8k "
                         f"or boxed")
     rows: Iterator[tuple[Any, Any]]

@@ -1,12 +1,13 @@
 """load_examples: the train or eval split a data config names (data.path, a preset's file or Hub dataset, or the
 built-in arithmetic set) as a list of PromptExample; data_config_problems (from the config section,
-grpo_dist/config_sections/data.py): what is wrong with a data config before any file is read."""
+grpo_dist/config/data_checks.py): what is wrong with a data config before any file is read."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from grpo_dist.config_sections.data import DataConfig, data_config_problems
+from grpo_dist.config.data_checks import data_config_problems
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.arithmetic import arithmetic_from_config
 from grpo_dist.data.examples import DataError, PromptExample
 from grpo_dist.data.files import load_file

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from grpo_dist.config_sections.data import DataConfig
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.examples import DataError
 
 

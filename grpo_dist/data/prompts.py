@@ -9,7 +9,8 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from grpo_dist.config_sections.data import DataConfig, template_problems
+from grpo_dist.config.data_checks import template_problems
+from grpo_dist.config.schema import DataConfig
 from grpo_dist.data.chat_template import RenderedPrompt, chat_prompt, special_tokens, token_alternation
 from grpo_dist.data.conversational import render_messages
 from grpo_dist.data.examples import DataError, PromptExample

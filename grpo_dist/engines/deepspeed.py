@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from grpo_dist import distributed as gdist
 from grpo_dist.config import ConfigError
-from grpo_dist.engines import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.config.choices import MIXED_PRECISIONS
+from grpo_dist.engines.base import Engine, StepResult, adamw, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import cast_parameters_, decoder_layer_classes, fill_from_rank0, load_on_rank0_only
 
 ENGINE_STATE_DIR = "deepspeed"  # inside checkpoint-<step>/
@@ -135,7 +136,7 @@ def build_deepspeed_config(cfg, world_size: int, hidden_size: int | None = None)
     # Precision: "auto" / absent follow distributed.mixed_precision; an explicit setting in the file wins, but
     # must not contradict an explicit mixed_precision.
     mp = dcfg.mixed_precision
-    for kind in ("bf16", "fp16"):
+    for kind in MIXED_PRECISIONS:  # DeepSpeed's sections have the names of distributed.mixed_precision's values
         sec = ds.get(kind)
         enabled = sec.get("enabled", "auto") if isinstance(sec, dict) else "auto"
         if enabled == "auto":

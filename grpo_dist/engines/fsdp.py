@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist import distributed as gdist
-from grpo_dist.engines import clean_name
+from grpo_dist.engines.base import clean_name
 from grpo_dist.engines.torch_engine import TorchEngine
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, fill_from_rank0, load_on_rank0_only,
                               materialize_meta)

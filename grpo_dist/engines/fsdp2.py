@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from grpo_dist import distributed as gdist
-from grpo_dist.engines import checkpoint_layers, clean_name
+from grpo_dist.engines.base import checkpoint_layers, clean_name
 from grpo_dist.engines.fsdp import wrap_frozen_reference, wrap_units
 from grpo_dist.engines.torch_engine import TorchEngine
 from grpo_dist.models import MIXED_PRECISION_DTYPES, load_on_rank0_only

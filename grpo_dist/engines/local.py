@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from grpo_dist.engines import clean_name
+from grpo_dist.engines.base import clean_name
 from grpo_dist.engines.torch_engine import TorchEngine
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from grpo_dist import distributed as gdist
-from grpo_dist.engines import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
+from grpo_dist.engines.base import Engine, StepResult, build_optimizer, checkpoint_layers, clean_name, lr_schedule
 from grpo_dist.models import decoder_layer_classes
 
 OPTIMIZER_STARTED = "optimizer_started"  # the sharded checkpoint's flag: 0 = saved before the first optimizer step

@@ -50,6 +50,9 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 
+from grpo_dist.rewards.workers import (check_score, kill_worker_group, resolve_reward_function, serve, short_repr,
+                                       start_worker, worker_preamble)
+
 __all__ = ["RewardBatch", "is_batch_function", "check_batch_result", "BatchFunctionScorer", "rollout_context"]
 
 _START_TIMEOUT_S = 180.0
@@ -135,11 +138,10 @@ def is_batch_function(fn) -> bool:
 def check_batch_result(value, n: int, what: str = "returned") -> tuple[list, list]:
     """(scores, errors) of a batch result for n completions: scores hold floats, or None (not applicable); errors
     hold None or what is wrong. Anything but a sequence of n entries makes every item an error."""
-    from grpo_dist.rewards.grading import _check_score, _short
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # numpy array, torch tensor
     if not isinstance(value, (list, tuple)):
-        msg = (f"{what} {type(value).__name__} {_short(value)}, not a list of {n} scores (a batch reward function "
+        msg = (f"{what} {type(value).__name__} {short_repr(value)}, not a list of {n} scores (a batch reward function "
                f"returns one float or None per completion)")
         return [0.0] * n, [msg] * n
     if len(value) != n:
@@ -152,7 +154,7 @@ def check_batch_result(value, n: int, what: str = "returned") -> tuple[list, lis
             scores.append(None)
             errors.append(None)
             continue
-        s, e = _check_score(v)
+        s, e = check_score(v)
         scores.append(s)
         errors.append(None if e is None else f"{what} {e[len('returned '):] if e.startswith('returned ') else e}")
     return scores, errors
@@ -173,7 +175,6 @@ def _call_batch(fn, arguments: dict, n: int) -> tuple[list, list]:
 
 # --------------------------------------------------------------------------------------------------- worker side
 def _batch_worker_main() -> None:  # pragma: no cover - runs in the child process
-    from grpo_dist.rewards.grading import resolve_reward_function, serve, worker_preamble
     proto_in, proto_out = worker_preamble()  # dies with the trainer; its process group dies with it
     funcs: dict = {}
 
@@ -194,7 +195,6 @@ def _batch_worker_main() -> None:  # pragma: no cover - runs in the child proces
 # --------------------------------------------------------------------------------------------------- parent side
 class _BatchWorker:
     def __init__(self):
-        from grpo_dist.rewards.grading import start_worker
         self.proc = start_worker("from grpo_dist.rewards.batch import _batch_worker_main; _batch_worker_main()")
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -229,7 +229,6 @@ class _BatchWorker:
         return None if line is None else json.loads(line)
 
     def kill(self):
-        from grpo_dist.rewards.grading import kill_worker_group
         kill_worker_group(self.proc)
 
 

@@ -32,7 +32,6 @@ starts a session of its own (setsid) escapes this.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -45,7 +44,9 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable
+
+from grpo_dist.rewards.workers import (check_score, kill_worker_group, resolve_reward_function, serve, start_worker,
+                                       worker_preamble)
 
 __all__ = ["resolve_reward_function", "RewardComputer"]
 
@@ -54,45 +55,6 @@ _MAX_ATTEMPTS = 2          # an item whose worker crashed is retried once
 _MAX_CHUNK = 32            # items per request to a worker
 _MAX_CHUNK_BYTES = 4 << 20
 _MAX_ERROR_CHARS = 4000    # of an error message / traceback sent back by a worker
-
-
-def resolve_reward_function(spec: str) -> Callable[[str, str], float]:
-    """``"package.module:function"`` -> the function (``function`` may be dotted)."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
-    mod_name, attr = (x.strip() for x in spec.split(":"))
-    if not mod_name or not attr:
-        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import module {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        try:
-            found = hasattr(obj, part)
-        except ImportError as e:  # a lazy attribute whose optional package is missing (math_verify_reward)
-            raise ValueError(f"reward function {spec!r}: {e}") from e
-        if not found:
-            raise ValueError(f"reward function {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward function {spec!r}: {attr!r} is not callable")
-    return obj
-
-
-def _check_score(v) -> tuple[float, str | None]:
-    """(score, None) for a finite number; (0.0, what is wrong) for anything else."""
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
-        hint = " (a reward function scores one completion: fn(completion, reference) -> float)" \
-            if isinstance(v, (list, tuple)) else ""
-        return 0.0, f"returned {type(v).__name__} {_short(v)}, not a number{hint}"
-    try:
-        f = float(v)
-    except (TypeError, ValueError, OverflowError) as e:
-        return 0.0, f"returned {type(v).__name__} {_short(v)}: {e}"
-    if not math.isfinite(f):
-        return 0.0, f"returned {f}"
-    return f, None
 
 
 LENGTH_KWARGS = ("completion_length", "max_completion_length")
@@ -108,17 +70,12 @@ def length_kwargs_of(fn) -> tuple[str, ...]:
     return tuple(k for k in LENGTH_KWARGS if k in params)
 
 
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 def _call_safely(fn, completion, reference, **kwargs) -> tuple[float, str | None]:
     """(score, error): a function that raises or returns a non-number scores 0.0, with the reason (a traceback for
     an exception). SystemExit counts as a failure like any exception: a reward function must not end the run
     (only KeyboardInterrupt passes through)."""
     try:
-        return _check_score(fn(completion, reference, **kwargs))
+        return check_score(fn(completion, reference, **kwargs))
     except KeyboardInterrupt:
         raise
     except BaseException:  # noqa: BLE001 - a failing reward scores 0.0; the caller counts and reports it
@@ -195,111 +152,6 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
                 out["e"] = err
             yield out  # written at once: the parent's clock restarts at each answer
     serve(proto_in, proto_out, answer)
-
-
-def serve(proto_in, proto_out, answer) -> None:  # pragma: no cover - runs in the child process
-    """A worker's protocol loop: say ready, then for each request line (JSON) write every dict that
-    answer(request) yields as a line; exit when the parent closes the pipe."""
-    proto_out.write(b'{"ready": 1}\n')
-    buf = b""
-    while True:
-        chunk = proto_in.read(1 << 20)
-        if not chunk:
-            os._exit(0)
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            for out in answer(json.loads(line)):
-                proto_out.write(json.dumps(out).encode() + b"\n")
-
-
-def worker_preamble():  # pragma: no cover - runs in the child process
-    """What every grading worker (per item, or batch: rewards/batch.py) does before any user code runs: die with
-    its parent (PR_SET_PDEATHSIG, and a thread watching the parent pid), fork the reaper of its process group, and
-    move the protocol pipes off stdin/stdout (user code sees /dev/null as stdin and stderr as stdout). Returns
-    the protocol's (input, output) files. argv[1] is the parent's pid."""
-    parent = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
-    try:  # SIGKILL this process when the parent dies (Linux)
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
-
-    def watchdog():
-        while True:
-            if os.getppid() != parent:
-                os._exit(0)
-            time.sleep(0.5)
-
-    _start_group_reaper()
-    threading.Thread(target=watchdog, daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches this child too: the trainer decides
-    if os.getppid() != parent:
-        os._exit(0)
-    proto_in = os.fdopen(os.dup(0), "rb", buffering=0)
-    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return proto_in, proto_out
-
-
-def _start_group_reaper() -> None:  # pragma: no cover - runs in the worker process
-    """Fork the reaper: it waits for this worker to end, however it ends (SIGKILL included), then SIGKILLs the
-    worker's process group, i.e. whatever the reward functions forked. Forked before any user code runs and
-    before any thread starts; it keeps no descriptor of the protocol pipes (the parent sees EOF at once)."""
-    worker = os.getpid()
-    if os.fork() != 0:
-        return
-    try:
-        os.close(0)
-        os.close(1)
-        while os.getppid() == worker:
-            time.sleep(0.5)
-        os.killpg(worker, signal.SIGKILL)  # the worker leads the group: its pid names it
-    finally:
-        os._exit(0)
-
-
-# --------------------------------------------------------------------------- parent side
-def start_worker(code: str) -> subprocess.Popen:
-    """A grading worker running `code` (which calls worker_preamble first) in a fresh interpreter, leading a
-    process group of its own (a session), so kill_worker_group reaches whatever its reward functions fork."""
-    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=_worker_env(), close_fds=True, start_new_session=True)
-
-
-def kill_worker_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker's whole process group (the worker, its reaper, anything a reward function forked), also
-    when the worker itself has exited already; close its pipes and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        proc.kill()
-    except OSError:
-        pass
-    for f in (proc.stdin, proc.stdout):
-        try:
-            f.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
-
-
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    paths = [os.getcwd() if p == "" else p for p in sys.path]
-    old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = "1"
-    return env
 
 
 class _Worker:

@@ -32,7 +32,7 @@ import traceback
 
 import torch
 
-from grpo_dist.config import ConfigError
+from grpo_dist.config.errors import ConfigError
 from grpo_dist.rewards.specs import classifier_problems
 
 __all__ = ["RewardModelScorer"]

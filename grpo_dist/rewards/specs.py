@@ -21,7 +21,8 @@ import json
 import math
 from pathlib import Path
 
-from grpo_dist.config import MAX_REWARD_WEIGHT, short
+from grpo_dist.config.choices import MAX_REWARD_WEIGHT
+from grpo_dist.config.errors import short
 
 __all__ = ["KIND_KEYS", "reward_kind", "default_name", "reward_spec_problems", "model_dir_problems",
            "remote_time_problems"]

@@ -1,10 +1,11 @@
-"""What every config section shares: the problem type (ConfigError), the bounded one-line messages, and `_f`, the
-field with its help string. A leaf module: the sections and grpo_dist.config import it, it imports none of them."""
+"""The config's error type (ConfigError) and the bounded one-line messages every problem is written with.
+
+A leaf: it imports nothing of grpo_dist, so that every module a config check calls into (the reward specs,
+preflight, the data loaders) can raise and word a config problem without importing the config, which imports them.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import field
 from typing import Any
 
 
@@ -61,11 +62,3 @@ def _raise_all(problems: list[str], where: str = "") -> None:
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
     raise ConfigError(f"{where}{problems[0]}{more}", problems)
 
-
-def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    meta: dict[str, Any] = {"help": help}
-    if choices:
-        meta["choices"] = choices
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)

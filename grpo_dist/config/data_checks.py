@@ -1,50 +1,22 @@
-"""The `data` section: DataConfig and every check of it that needs no file (data_config_problems: the limit, the
-built-in arithmetic set's options, the prompt template). A leaf: grpo_dist.data imports it, it imports nothing of
-grpo_dist.data (that is what keeps grpo_dist.config free of an import circle)."""
+"""The checks of the `data` section that need no file (data_config_problems: the limit, the built-in arithmetic
+set's options, the prompt template). grpo_dist.data imports them (load_examples refuses what they find) and the
+config's checks report them; this module imports only the config's leaves (errors, choices), never grpo_dist.data
+nor the schema, so neither import leads back here in a circle. (DataConfig itself: grpo_dist/config/schema.py.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from grpo_dist.config_sections.base import _f, short
+from grpo_dist.config.choices import ARITHMETIC_DEFAULTS
+from grpo_dist.config.errors import short
 
-# data.arithmetic: the arguments of grpo_dist.data.arithmetic.synthetic_arithmetic, with its defaults
-ARITHMETIC_DEFAULTS = dict(num_examples=10000, max_operand=19, num_operands=2, ops="+", seed=0)
 _ARITH_KEYS = tuple(ARITHMETIC_DEFAULTS)
 _SMALL_SPACE = 200_000      # spaces up to this size are enumerated and split exactly
 
 
-@dataclass
-class DataConfig:
-    preset: Optional[str] = _f("arithmetic", "gsm8k | math500 | math | arithmetic (built in) | None: fills path, "
-                               "fields and answer format",
-                               ("gsm8k", "math500", "math", "arithmetic"))
-    path: Optional[str] = _f(None, "training prompts: .jsonl, .json or .parquet file, or hf:NAME[:SPLIT]")
-    prompt_field: str = _f("question", "field holding the problem text")
-    answer_field: str = _f("answer", "field holding the reference answer")
-    answer_format: str = _f("raw", "how to read the reference: raw | gsm8k ('#### n') | boxed (last \\boxed{})",
-                            ("raw", "gsm8k", "boxed"))
-    prompt_template: str = _f("{prompt}", "template with {prompt}; used when use_chat_template is false")
-    use_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
-    system_prompt: Optional[str] = _f(None, "system message for the chat template")
-    max_prompt_length: int = _f(512, "prompts longer than this many tokens are truncated from the left (counted "
-                                "per step as prompts_truncated; see max_truncated_prompt_fraction)")
-    max_truncated_prompt_fraction: float = _f(0.05, "refuse to start (exit 2) when more than this fraction of the "
-                                              "training prompts is longer than max_prompt_length tokens, so would "
-                                              "lose its beginning while its reference answer stays; up to it, one "
-                                              "warning at start. In [0, 1]: 0 refuses any cut, 1 never refuses")
-    limit: Optional[int] = _f(None, "use only the first N rows (after loading, before shuffling)")
-    eval_path: Optional[str] = _f(None, "held-out prompts for periodic evaluation (same fields)")
-    eval_limit: Optional[int] = _f(64, "the light evaluation tier: the first N held-out prompts, evaluated every "
-                                   "eval_steps (null: all of them; full_eval_steps is the tier of the whole set)")
-    arithmetic: dict = _f(factory=dict, help="options of the built-in arithmetic set: {num_examples, max_operand, "
-                          "num_operands, ops, seed}")
-
-
-def data_config_problems(cfg: DataConfig) -> list[str]:
-    """Every problem of a data config found without reading a file. GRPOConfig.problems() reports them with the rest
-    of the config; load_examples refuses a config that has any (the first is its DataError)."""
+def data_config_problems(cfg) -> list[str]:
+    """Every problem of a data config (a DataConfig) found without reading a file. GRPOConfig.problems() reports
+    them with the rest of the config; load_examples refuses a config that has any (the first is its DataError)."""
     bad = []
     if cfg.limit is not None and cfg.limit < 1:
         bad.append(f"config key 'data.limit' must be >= 1 (or null), got {cfg.limit}")

@@ -21,6 +21,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from grpo_dist.config.errors import clip
+
 Explain = Callable[[Any, dict], str]  # (the user's value, the config mapping at that level) -> the advice
 
 
@@ -193,7 +195,6 @@ def trl_advice(name: str, value: Any, d: dict) -> str | None:
 
 def unknown_key_message(prefix: str, key: str, names, value: Any, d: dict) -> str:
     """The problem line of an unknown config key `prefix + key` among the `names` of its section."""
-    from grpo_dist.config import clip
     full = f"unknown config key '{prefix}{clip(key)}'"
     allowed = f"; allowed keys here: {', '.join(sorted(names))}"
     if len(str(key)) > 100:  # no name here is that long, and edit distances on megabytes of key would take minutes

@@ -11,10 +11,13 @@ trainer_state.json) is the merged result without `defaults`: resume and evaluate
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.config_sections.base import ConfigError, clip, nearest_key_value
+from grpo_dist.config.errors import ConfigError, clip, nearest_key_value
+from grpo_dist.config.schema import key_type
+from grpo_dist.config.yaml_text import load_yaml, yaml_key_lines
 
 DEFAULTS_KEY = "defaults"
 EXP_PREFIX = "+exp="
@@ -28,7 +31,7 @@ def shipped_configs_dir() -> Path:
     import site
     import sys
     import sysconfig
-    source = Path(__file__).resolve().parent.parent / "configs"
+    source = Path(__file__).resolve().parents[2] / "configs"  # grpo_dist/config/compose.py -> the tree's root
     prefixes = [sys.prefix, getattr(site, "USER_BASE", None) or "", sysconfig.get_path("data")]
     for d in [source] + [Path(x) / "share" / "grpo_dist" / "configs" for x in prefixes if x]:
         if (d / "exp").is_dir():
@@ -47,7 +50,7 @@ def describe_composition() -> list[str]:
     describe() cannot find them, yet a user writes them like keys."""
     shipped = ", ".join(sorted(p.stem for p in shipped_exp_dir().glob("*.yaml"))) or "none"
     return [
-        "[composition]  # not config keys: they say which files make up the config (grpo_dist/config_compose.py, "
+        "[composition]  # not config keys: they say which files make up the config (grpo_dist/config/compose.py, "
         "docs/configs.md)",
         f"{DEFAULTS_KEY} = []  # in a config file: the YAML files it builds on (paths relative to it), deep-merged "
         f"in list order (each with its own {DEFAULTS_KEY} first) before the file itself; dropped from the saved "
@@ -170,7 +173,6 @@ def _read_config_file(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[s
     """(the file's mapping, its key lines). A file reached through `defaults:` that is not a config (not YAML, not a
     mapping, none of its top-level keys a config key) is refused naming the file and no more: its text is
     somebody else's, never echoed (a YAML error's excerpt, unknown-key names)."""
-    from grpo_dist.config import _key_type, load_yaml, yaml_key_lines  # the YAML bounds and key lines of one file
     if not path.is_file():
         named_by = f"{chain[-1]}: config key 'defaults' names " if chain else ""
         raise ConfigError(f"{named_by}config file not found: {path}")
@@ -187,7 +189,7 @@ def _read_config_file(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[s
                           f"{chain[-1]})") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: top level must be a mapping of config keys")
-    if chain and d and not any(k == DEFAULTS_KEY or (isinstance(k, str) and _key_type([k]) is not None)
+    if chain and d and not any(k == DEFAULTS_KEY or (isinstance(k, str) and key_type([k]) is not None)
                                for k in d):
         raise ConfigError(f"{path}: not a config file: none of its {len(d)} top-level keys is a config key (named "
                           f"by {chain[-1]}; its keys are not shown)")
@@ -259,8 +261,5 @@ def _value_source(where: dict[str, str], key: str) -> str:
 
 def _leaf_mapping(key: str) -> bool:
     """dict-valued keys that are values (model.tiny, data.arithmetic, ...), not sections: shown as one line."""
-    import dataclasses
-
-    from grpo_dist.config import _key_type
-    tp = _key_type(key.split("."))
+    tp = key_type(key.split("."))
     return not (isinstance(tp, type) and dataclasses.is_dataclass(tp))
