@@ -33,33 +33,28 @@ from grpo_dist import checkpoint as ckpt
 from grpo_dist import distributed as gdist
 from grpo_dist import faults
 from grpo_dist import flops
-from grpo_dist import lora
 from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
-from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.async_save import BackgroundSaver
+from grpo_dist.build import build_models, build_rollouts
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
 from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, render_prompt,
                             truncate_long_prompts)
-from grpo_dist.decoder import prepare_replica
-from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
 from grpo_dist.metrics import MetricsLogger, MetricsWriteError
-from grpo_dist.packing import PassTokens, completion_log_probs, fallback_line, pack_rows, share_prompts_reason
+from grpo_dist.packing import PassTokens, completion_log_probs, pack_rows
 from grpo_dist.prompt_sharing import group_order, prompt_groups
-from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
-                              load_tokenizer, materialize_meta, reward_dtype)
+from grpo_dist.models import load_tokenizer, reward_dtype
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
-from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
-                                       rollout_dtype, tied_aliases)
+from grpo_dist.rollout_engines import SamplingSpec, generate_batch, require_vllm, rollout_dtype
 from grpo_dist.sampling_noise import row_seed, row_seeds
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
 from grpo_dist.trained_prompts import record as record_prompts
@@ -129,45 +124,11 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(cfg.model)
         self._check_prompt_lengths()  # prompts that lose their beginning: one warning, or refused (before models)
         self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
-        # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
-        # their shards from rank 0 while the engine wraps (one model copy in host RAM per node while loading).
-        meta = load_on_rank0_only(cfg, ctx.world_size) and not ctx.is_main
-        # FSDP shards from the host (engines.shards_from_host): no full fp32 model on a GPU before sharding
-        host = shards_from_host(cfg, ctx.world_size)
-        policy = self._load_model("model", meta, to_device=not host)
-        compute_dtype = MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)
-        # vLLM holds its own copy of the weights; lean / hf sample from a replica built here; with rollout_ranks > 0
-        # the rollout ranks sample (async_rollout.py) and a trainer rank builds neither
-        local_rollouts = not cfg.rollout_ranks
-        self.gen_model = self._build_replica(policy, meta, compute_dtype) \
-            if local_rollouts and cfg.rollout_engine != "vllm" else None
-        self.hf_model = policy  # its config and generation_config go into checkpoints
-        self.tied_weights = tied_aliases(policy)  # plain names, read before any wrapper renames them
-        self.padding_free = cfg.padding_free and self._can_pack(policy)
-        self.share_prompts = self.padding_free and cfg.share_prompts and self._can_share_prompts(policy)
-        num_params = sum(p.numel() for p in policy.parameters())
-        # mfu (flops.py): the model's shape before LoRA or a wrapper changes it, and the device's peak
-        self._flops_shape = (flops.matmul_params(policy), *flops.attention_dims(policy.config))
-        self._peak_flops = flops.peak_flops(cfg.peak_flops, ctx.device)
-        if cfg.lora.r:  # after the replica copy: the replica stays a plain model and gets merged weights
-            lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)
-            self._untie_replica(lora.adapted_tied_weights(policy))
-        self.engine = build_engine(cfg, policy, ctx)
-        if cfg.lora.r and cfg.lora.dropout:
-            lora.activate_dropout(self.engine.module)
-        if cfg.save_format == "sharded" and not self.engine.supports_sharded():
-            raise ConfigError(f"config key 'save_format' = sharded is not supported by distributed.backend="
-                              f"{cfg.distributed.backend}; use full or auto")
-        # LoRA checkpoints hold the adapter (+ optimizer) only: always the full (gathered) format
-        self.save_format = "full" if cfg.lora.r else ckpt.resolve_save_format(cfg.save_format, num_params, self.engine)
-        self.ref_model: torch.nn.Module | lora.Reference | None = None
-        if cfg.beta != 0.0 and cfg.lora.r:  # LoRA: the reference is the policy without its adapters
-            self.ref_model = lora.Reference(self.engine.module)
-        elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
-            ref = self._load_model("reference model", meta, to_device=False)
-            if cfg.distributed.backend in ("fsdp", "fsdp2"):  # kept in the compute dtype: cast before the GPU
-                cast_parameters_(ref, compute_dtype)
-            self.ref_model = self.engine.wrap_reference(ref if meta or host else ref.to(ctx.device))
+        self.models = build_models(cfg, ctx, self.tokenizer)  # policy engine, reference, replica (build.py)
+        m = self.models
+        self.engine, self.ref_model, self.gen_model, self.hf_model = m.engine, m.ref_model, m.gen_model, m.hf_model
+        self.tied_weights, self.padding_free, self.share_prompts = m.tied_weights, m.padding_free, m.share_prompts
+        self._flops_shape, self._peak_flops, self.save_format = m.flops_shape, m.peak_flops, m.save_format
         self.loss_spec = self._loss_spec()
         self.step = 0
         self.consecutive_nonfinite = 0
@@ -181,17 +142,9 @@ class GRPOTrainer:
         self._save_metrics: dict = {}
         self._maybe_resume()
         self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
-        # vLLM's engine reseeds the process RNGs when it is built: a resumed run goes on with the checkpoint's
-        # streams (bitwise what the uninterrupted run drew), not with the seed's again
-        rng = ckpt.rng_state() if self.resumed_from is not None else None
-        # every generate follows a weight sync here: vLLM starts from dummy weights (no checkpoint read per rank)
-        self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights,
-                                                   num_params=num_params, synced=True) \
-            if local_rollouts else RolloutsElsewhere()
+        self.rollout_engine = build_rollouts(cfg, ctx, self.models, resumed=self.resumed_from is not None)
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
         self._prompts_cut = 0  # this step's prompts longer than max_prompt_length (all rollout rounds)
-        if rng is not None:
-            ckpt.set_rng_state(rng)
         self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
@@ -223,51 +176,6 @@ class GRPOTrainer:
         self.behaviour_ratio = bool(cfg.rollout_ranks and cfg.max_staleness)
 
     # --------------------------------------------------------------------------------------------------- setup
-    def _build_replica(self, policy, meta: bool, compute_dtype):
-        """The generation replica: a plain copy of the policy, refreshed from the shards every step (its storage
-        is untouched until the first refresh on meta-built ranks). With mixed precision its parameters hold the
-        compute dtype: rollouts then sample from the weights the training passes compute with, at half the
-        memory. Buffers stay as they are, like FSDP's MixedPrecision keeps them: RoPE's inv_freq rounded to bf16
-        would shift positions against the training forward more and more along the sequence."""
-        replica = copy_in_dtype(policy, compute_dtype).eval()  # cast while copying: no full fp32 copy
-        if meta:
-            materialize_meta(replica, self.ctx.device)
-        else:  # a policy left on the host for FSDP: the replica goes to the device in the compute dtype
-            replica.to(self.ctx.device)
-        if load_on_rank0_only(self.cfg, self.ctx.world_size):  # a collective: meta-built ranks take rank 0's buffers
-            gdist.broadcast_tensors(list(replica.buffers()))
-        replica.requires_grad_(False)
-        prepare_replica(replica)  # one q|k|v and gate|up matmul per layer when decoding (decoder.py)
-        return replica
-
-    def _can_pack(self, policy) -> bool:
-        """Whether the passes can run packed rows (padding_free); one line on rank 0 when they fall back."""
-        line = fallback_line(policy)
-        if line and self.ctx.is_main:
-            print(line, flush=True)
-        return line is None
-
-    def _can_share_prompts(self, policy) -> bool:
-        """Whether rows with the same prompt can read one copy of it (share_prompts); one line on rank 0 if not."""
-        why = share_prompts_reason(policy)
-        if why and self.ctx.is_main:
-            print(f"[grpo_dist] share_prompts: {why}; every row computes its own prompt", flush=True)
-        return why is None
-
-    def _load_model(self, what: str, meta: bool, to_device: bool = True) -> torch.nn.Module:
-        """load_model, on this rank's device unless meta or not to_device; rank 0 says what it loads and how long it
-        took (a big model takes minutes)."""
-        m = self.cfg.model
-        name = m.name_or_path or f"tiny {(m.tiny or {}).get('architecture', 'qwen2')} (random weights)"
-        if self.ctx.is_main:
-            print(f"[grpo_dist] loading {what} {name} ...", flush=True)
-        t0 = time.perf_counter()
-        model = load_model(m, self.tokenizer, on_meta=meta)
-        model = model.to(self.ctx.device) if to_device and not meta else model
-        if self.ctx.is_main:
-            print(f"[grpo_dist] loading {what} {name} ... done in {time.perf_counter() - t0:.1f} s", flush=True)
-        return model
-
     def _check_prompt_lengths(self) -> None:
         """Rank 0 counts the training prompts that rollouts would cut (data.prompt_length_check), every rank gets
         its verdict: above data.max_truncated_prompt_fraction the run stops (DataError, exit 2), else one warning."""
@@ -280,15 +188,6 @@ class GRPOTrainer:
         if error:
             self.rewards.close()
             raise DataError(error)
-
-    def _untie_replica(self, names: list[str]) -> None:
-        """An adapted tied head: the merge gives it weights of its own (lora.adapted_tied_weights)."""
-        if names and self.cfg.rollout_engine == "vllm":
-            raise ConfigError(f"config key 'lora.target_modules' adapts {names[0]}, which this model ties to its "
-                              f"embeddings: not supported with rollout_engine=vllm (its model keeps them tied); "
-                              f"use rollout_engine=lean or hf, or leave lm_head out")
-        if self.gen_model is not None:
-            lora.untie(self.gen_model, names)
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
