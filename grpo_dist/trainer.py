@@ -20,13 +20,10 @@ run empty micro-batches), so no path can deadlock.
 
 from __future__ import annotations
 
-import copy
-import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from grpo_dist import checkpoint as ckpt
@@ -37,8 +34,9 @@ from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
-from grpo_dist.async_save import BackgroundSaver
 from grpo_dist.build import build_models, build_rollouts
+from grpo_dist.checkpointer import Checkpointer, Counters, RunInfo, Scheduler
+from grpo_dist.checkpointer import resolve as resolve_resume
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
@@ -97,7 +95,7 @@ class GRPOTrainer:
             raise ConfigError("config key 'distributed.cpu_offload' = true does not apply to a CPU-only run: the "
                               "parameters and optimizer state are in host memory already; set it false")
         # sampling_noise=rank (and vLLM, dropout): each rank its own stream; per_prompt rollouts do not read it
-        self._seed_everything(cfg.seed + ctx.rank)
+        ckpt.seed_everything(cfg.seed + ctx.rank)
         # Data and reward functions first: their mistakes are named before minutes of model loading.
         self.train_examples = self._load_split("train")
         self.eval_examples = self._load_split("eval") if cfg.eval_steps or cfg.full_eval_steps else []
@@ -110,7 +108,8 @@ class GRPOTrainer:
                                      cfg.seed) if cfg.curriculum.mode != "none" else None
         self.sampler = PromptSampler(self.train_examples, cfg.prompts_per_rank, ctx.rank, ctx.world_size, cfg.seed,
                                      self.curriculum)
-        self._resume = self._resolve_resume()  # the checkpoint and its trainer_state.json, before any model loads
+        # the checkpoint to resume from and its trainer_state.json, before any model loads
+        self._resume = resolve_resume(cfg, ctx, self.curriculum is not None)
         sft_examples = load_sft_examples(cfg, self.train_examples, ctx.is_main) if cfg.sft_coef else None
         self.rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                                       device=ctx.device, dtype=reward_dtype(cfg),
@@ -133,16 +132,16 @@ class GRPOTrainer:
         self.step = 0
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
-        self.resumed_from: Path | None = None
         self.was_finished = False  # resumed at max_steps: nothing to train (nothing_to_do)
         self._stop_requested = False
-        # async_save: checkpoints written by a background thread (async_save.py); the save metrics go into the
-        # next step's line (a save starts after its step's line is logged)
-        self.saver = BackgroundSaver(cfg.distributed.timeout_s) if cfg.async_save else None
-        self._save_metrics: dict = {}
-        self._maybe_resume()
-        self.best = self._load_best() if cfg.save_best else None  # the record of output_dir/best/ (save_best)
-        self.rollout_engine = build_rollouts(cfg, ctx, self.models, resumed=self.resumed_from is not None)
+        self.checkpointer = Checkpointer(cfg, ctx, self.models, {  # what a checkpoint holds (checkpointer.py)
+            "counters": Counters(self), "sampler": self.sampler, "scheduler": Scheduler(self.engine),
+            "run": RunInfo(cfg, ctx), "sft_sampler": self.sft.sampler if self.sft is not None else None,
+            "curriculum": self.curriculum})
+        self.checkpointer.resume(self._resume)
+        if cfg.save_best:
+            self.checkpointer.load_best()
+        self.rollout_engine = build_rollouts(cfg, ctx, self.models, resumed=self.checkpointer.resumed_from is not None)
         self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
         self._prompts_cut = 0  # this step's prompts longer than max_prompt_length (all rollout rounds)
         self.weight_sync_s = 0.0
@@ -189,115 +188,11 @@ class GRPOTrainer:
             self.rewards.close()
             raise DataError(error)
 
-    @staticmethod
-    def _seed_everything(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-
     def _load_split(self, split: str):
         examples = load_examples(self.cfg.data, split)
         where = (self.cfg.data.path if split == "train" else self.cfg.data.eval_path) or \
             f"data.preset={self.cfg.data.preset} ({split})"
         return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
-
-    def _resolve_resume(self) -> tuple[str | None, str, dict | None]:
-        """(checkpoint path or None, verification note, its trainer_state.json), the same on every rank (one
-        broadcast): rank 0 resolves, verifies (and hashes) the checkpoint and reads its state before any model
-        loads, so what the state alone can refuse stops here."""
-        path, note, error, saved = None, "", None, None
-        if self.ctx.is_main:
-            try:
-                path, note = ckpt.resolve_and_verify(self.cfg.resume_from_checkpoint, self.cfg.output_dir,
-                                                     self.cfg.verify_checkpoint_hashes,
-                                                     self.cfg.start_over_if_no_intact_checkpoint)
-                saved = ckpt.read_trainer_state(path) if path is not None else None
-            except (ckpt.CheckpointError, OSError, ValueError) as e:
-                error = str(e)
-        path, note, error, saved = gdist.broadcast_object((str(path) if path else None, note, error, saved))
-        if error:
-            raise ckpt.CheckpointError(error)
-        if saved is not None and self.curriculum is not None and "curriculum" not in saved:
-            raise ConfigError(f"config key 'curriculum.mode' = {self.cfg.curriculum.mode}: checkpoint {path} has "
-                              f"no curriculum statistics (written with curriculum.mode=none); resume with "
-                              f"curriculum.mode=none or start a fresh run")
-        return path, note, saved
-
-    def _maybe_resume(self) -> None:
-        path, note, saved = self._resume
-        if path is None:
-            return
-        error = None
-        if self.ctx.is_main:  # before any weight is read: a checkpoint of another model stops here
-            try:
-                ckpt.check_model_shape(Path(path), self.hf_model.config, self.cfg.lora)
-            except (ckpt.CheckpointError, OSError, ValueError) as e:
-                error = str(e)
-        error = gdist.broadcast_object(error)
-        if error:
-            raise ckpt.CheckpointError(error)
-        assert saved is not None  # read with the path by _resolve_resume
-        if note and self.ctx.is_main:
-            print(f"[grpo_dist] {path}: {note}", flush=True)
-        # Checked before any weight is read: a different world size resumes only where the state maps onto it.
-        try:
-            copy.copy(self.sampler).load_state_dict(saved["sampler"])  # the same checks, on a throwaway copy
-            if self.sft is not None and "sft_sampler" in saved:
-                copy.copy(self.sft.sampler).load_state_dict(saved["sft_sampler"])
-        except DataError as e:
-            hint = ""
-            global_batch = saved["sampler"]["prompts_per_rank"] * saved["sampler"]["world_size"]
-            if saved["world_size"] != self.ctx.world_size and global_batch % self.ctx.world_size == 0:
-                hint = f"; with {self.ctx.world_size} ranks set prompts_per_rank={global_batch // self.ctx.world_size}"
-            raise DataError(f"{path}: {e}{hint}") from None
-        state = ckpt.load_checkpoint(Path(path), self.engine, self.ctx, tied=self.tied_weights)
-        self.engine.apply_optimizer_settings(self.cfg)  # the configured values win over the checkpoint's
-        if self.ctx.is_main:
-            self._log_config_changes(saved.get("config") or {}, path)
-            change = ckpt.rollout_mode_change(saved.get("config") or {}, self.cfg.rollout_ranks,
-                                              self.ctx.world_size, Path(path).name)
-            if change:
-                print(change, flush=True)
-        self.sampler.load_state_dict(state["sampler"])
-        if self.curriculum is not None:  # a checkpoint without statistics was refused by _resolve_resume
-            self.curriculum.load_state_dict(state["curriculum"])
-        if self.sft is not None and "sft_sampler" in state:
-            self.sft.sampler.load_state_dict(state["sft_sampler"])
-        elif self.sft is not None and self.ctx.is_main:
-            print(f"[grpo_dist] resume: {path} has no SFT order (sft_coef was 0): the reference solutions start "
-                  f"from their beginning", flush=True)
-        self.step = state["step"]
-        self.nonfinite_steps = state.get("nonfinite_steps", 0)
-        self.resumed_from = Path(path)
-        if not state["rng_restored"]:
-            # Per-rank RNG streams do not map onto another world size: fresh streams, distinct per step and engine
-            # (the prompt order, weights and optimizer state still continue exactly). The ranks of a vLLM
-            # tensor-parallel group sample together and must share one stream, as vLLM's own seed does.
-            tp = self.cfg.vllm.tensor_parallel_size if self.cfg.rollout_engine == "vllm" else 1
-            self._seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.step, self.ctx.rank // tp])
-                                      .generate_state(1)[0]))
-        if self.ctx.is_main:
-            note = "" if state["rng_restored"] else (f" (written by {state['world_size']} ranks, now "
-                                                     f"{self.ctx.world_size}: sampling RNG reseeded)")
-            print(f"[grpo_dist] resumed from {path} at step {self.step}{note}", flush=True)
-
-    def _log_config_changes(self, saved: dict, path: str) -> None:
-        """One line per setting that differs from the checkpoint's config (what the user changed on resume)."""
-        from grpo_dist.engines import OPTIMIZER_KEYS, SCHEDULE_KEYS
-
-        def flat(d, prefix=""):
-            for k, v in d.items():
-                if isinstance(v, dict) and k in ("model", "data", "distributed", "health"):
-                    yield from flat(v, f"{prefix}{k}.")
-                else:
-                    yield f"{prefix}{k}", v
-        old, new = dict(flat(saved)), dict(flat(self.cfg.to_dict()))
-        for key in sorted(set(old) & set(new)):
-            if old[key] != new[key] and key not in ("resume_from_checkpoint", "output_dir"):
-                applied = " (applied to the restored optimizer / LR schedule)" if key in OPTIMIZER_KEYS + \
-                    SCHEDULE_KEYS else ""
-                print(f"[grpo_dist] resume: {key} changed since {Path(path).name}: {old[key]!r} -> {new[key]!r}"
-                      f"{applied}", flush=True)
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Stop request (SIGTERM / SIGUSR1 / the first Ctrl-C, see interrupts.py): finish the current step,
@@ -326,7 +221,7 @@ class GRPOTrainer:
                 metrics = self.train_step()
                 self._evaluate_if_due(metrics)
                 health = self._check_health(metrics)
-                metrics.update(self._save_times(wait=False))
+                metrics.update(self.checkpointer.save_times(wait=False))
                 watchdog.set_phase("stop-vote")
                 self.logger.log(metrics)  # a failed append (full disk) is kept in logger.failed: stop together
                 failed = self.logger.failed or self.completion_log.failed
@@ -334,28 +229,22 @@ class GRPOTrainer:
                                                     "log_failed": float(failed is not None)},
                                                    self.ctx.device)  # every rank agrees to stop
                 if float(votes["log_failed"]):
-                    self._finish_save_after(None)  # the save in flight may be the last checkpoint
-                    last = ckpt.latest_checkpoint(cfg.output_dir)
+                    last = self.checkpointer.latest()  # after the save in flight, which may be the last one
                     raise MetricsWriteError(f"{failed or 'rank 0 could not append to its logs'}; "
                                             f"the last checkpoint is {last or 'none'}: free space and rerun with "
                                             f"resume_from_checkpoint=auto")
                 stop = bool(float(votes["stop"]))
-                saved = self._save_if_due(stop, bool(health.stop))
-                if cfg.save_best and cfg.save_best in metrics:
-                    watchdog.set_phase("save")
-                    self._keep_best(metrics[cfg.save_best], saved)
-                if stop or health.stop:  # _stop_code's line says the checkpoint is written: it must be by then
-                    self._save_metrics.update(self._save_times(wait=True))
+                self.checkpointer.after_step(metrics, stop, bool(health.stop), self.logger.write)
                 exit_code = self._stop_code(stop, health.stop)
                 if exit_code:
                     break
-            self._save_times(wait=True)  # the save in flight is in place (or its error raised) before the exit
+            self.checkpointer.save_times(wait=True)  # the save in flight in place (or its error raised) before exit
             if self.async_rollouts is not None:  # not after an error: the peers may be gone
                 self.async_rollouts.close()
         except BaseException as e:
             if self.async_rollouts is not None:  # the rollout ranks stop now, naming this failure (best effort)
                 self.async_rollouts.abort(e)
-            self._finish_save_after(e)
+            self.checkpointer.finish_after(e)
             raise
         finally:
             self.logger.close()
@@ -366,11 +255,12 @@ class GRPOTrainer:
 
     def nothing_to_do(self) -> bool:
         """A resumed run whose checkpoint is at max_steps already: say so in one line (rank 0), train nothing."""
-        if self.resumed_from is None or self.step < self.cfg.max_steps:
+        resumed_from = self.checkpointer.resumed_from
+        if resumed_from is None or self.step < self.cfg.max_steps:
             return False
         self.was_finished = True
         if self.ctx.is_main:
-            print(f"[grpo_dist] nothing to do: {self.resumed_from} is at step {self.step} and max_steps is "
+            print(f"[grpo_dist] nothing to do: {resumed_from} is at step {self.step} and max_steps is "
                   f"{self.cfg.max_steps}, so the run is finished; raise max_steps to train further", flush=True)
         return True
 
@@ -390,45 +280,8 @@ class GRPOTrainer:
             self.logger.write(line)
         return health
 
-    def _save_if_due(self, stop: bool, cannot_learn: bool) -> Path | None:
-        """A checkpoint at save_steps, at the end (save_final), and before any stop (a requested one always; a
-        health.stop_on one when saving is on). Collective."""
-        cfg = self.cfg
-        if stop or (cfg.save_steps and self.step % cfg.save_steps == 0) or \
-                (self.step == cfg.max_steps and cfg.save_final) or \
-                (cannot_learn and (cfg.save_steps or cfg.save_final)):
-            watchdog.set_phase("save")
-            return self.save(background=cfg.async_save)
-        return None
-
-    def _save_times(self, wait: bool) -> dict:
-        """time_save_blocking_s and time_save_s of the last save (the step's line after it). wait: block until the
-        save in flight is done; else a collective poll (async_save.BackgroundSaver.poll). Either raises the
-        background write's error."""
-        if self.saver is not None and self.saver.in_flight():
-            watchdog.set_phase("save")
-            total = self.saver.wait() if wait else self.saver.poll(self.ctx.device)
-            if total is not None:
-                self._save_metrics["time_save_s"] = total
-        out, self._save_metrics = self._save_metrics, {}
-        return out
-
-    def _finish_save_after(self, error: BaseException | None) -> None:
-        """On the way out with an error: let the save in flight finish (an intact checkpoint is worth keeping);
-        its own failure is one line, as the error that ends the run is already on its way."""
-        if self.saver is None or not self.saver.in_flight() or isinstance(error, KeyboardInterrupt):
-            return
-        try:
-            self.saver.wait()
-        except BaseException as e:  # noqa: BLE001 - reported, not raised over the error that ends the run
-            if self.ctx.is_main:
-                print(f"[grpo_dist] the checkpoint save in flight failed too: {e}", flush=True)
-
     def _checkpoint_note(self) -> str:
-        """The newest intact checkpoint for a stop message, after the save in flight is done (with async_save the
-        previous step's checkpoint may still be writing; naming "no checkpoint" then would be false)."""
-        self._finish_save_after(None)
-        return nonfinite.checkpoint_note(self.cfg.output_dir)
+        return self.checkpointer.note()
 
     def _stop_code(self, stop: bool, cannot_learn: str | None) -> int:
         """The exit code that ends the loop after this step (0: go on), with its one line. A requested stop wins."""
@@ -1107,60 +960,6 @@ class GRPOTrainer:
                           f"{out[tier.prefix + 'num_examples']} problems in {time.perf_counter() - t0:.1f} s")
         return out
 
-    def trainer_state(self) -> dict:
-        return {"step": self.step, "epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
-                "scheduler": self.engine.scheduler_state(), "world_size": self.ctx.world_size,
-                "nonfinite_steps": self.nonfinite_steps, "config": self.cfg.to_dict(),
-                **({"sft_sampler": self.sft.sampler.state_dict()} if self.sft is not None else {}),
-                **({"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {})}
-
     def save(self, background: bool = False, **where) -> Path:
-        """checkpoint-<step>; where: save_checkpoint's name and extra_files (the best checkpoint). background (with
-        async_save): written by self.saver's thread, in place after the next poll or wait; else written here (after
-        any save in flight). Collective."""
-        t0 = time.perf_counter()
-        saver = self.saver if background else None
-        if self.saver is not None:  # one save at a time: the one in flight first (its time_save_s kept)
-            self._save_metrics.update(self._save_times(wait=True))
-        path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.engine, self.hf_model, self.tokenizer,
-                                    self.trainer_state(), self.ctx, self.cfg.save_total_limit, self.resumed_from,
-                                    self.save_format, lora_cfg=self.cfg.lora if self.cfg.lora.r else None,
-                                    base_name=self.cfg.model.name_or_path,
-                                    check_hashes=self.cfg.verify_checkpoint_hashes, background=saver, **where)
-        self._save_metrics["time_save_blocking_s"] = time.perf_counter() - t0
-        if saver is None or not saver.in_flight():  # written here: nothing left to wait for
-            self._save_metrics["time_save_s"] = self._save_metrics["time_save_blocking_s"]
-        return path
-
-    def _load_best(self) -> dict | None:
-        """The best so far that output_dir/best/ holds (rank 0 reads and verifies it; every rank gets it)."""
-        record, error = None, None
-        if self.ctx.is_main:
-            try:
-                record = ckpt.read_best(self.cfg.output_dir, str(self.cfg.save_best), self.cfg.save_best_mode,
-                                        self.cfg.verify_checkpoint_hashes)
-            except (ckpt.CheckpointError, OSError) as e:  # a damaged best/ that cannot be moved aside
-                error = str(e)
-            if record is not None:
-                print(f"[grpo_dist] save_best: {Path(self.cfg.output_dir) / ckpt.BEST_DIR} holds {record['metric']} "
-                      f"= {record['value']:.4g} (step {record['step']}); only a better one replaces it", flush=True)
-        record, error = gdist.broadcast_object((record, error))
-        if error:
-            raise ckpt.CheckpointError(error)
-        return record
-
-    def _keep_best(self, value: float, saved: Path | None) -> None:
-        """Collective: a new best value (the all-reduced metric: every rank decides alike) becomes output_dir/best/,
-        hard links of the checkpoint just written, else a save of its own."""
-        if not ckpt.improves(value, self.best, self.cfg.save_best_mode):
-            return
-        record = {"metric": self.cfg.save_best, "mode": self.cfg.save_best_mode, "value": float(value),
-                  "step": self.step}
-        if saved is not None:
-            self._save_metrics.update(self._save_times(wait=True))  # the links need the checkpoint in place
-            path = ckpt.link_best(saved, self.cfg.output_dir, record, self.ctx)
-        else:
-            path = self.save(name=ckpt.BEST_DIR, extra_files={ckpt.BEST_FILE: ckpt.best_json(record)})
-        self.best = record
-        self.logger.write(f"[grpo_dist] save_best: {record['metric']} = {value:.4g} at step {self.step}, the best so "
-                          f"far: {path}")  # rank 0 (through the progress bar when there is one)
+        """checkpoint-<step> now (Checkpointer.save). Collective."""
+        return self.checkpointer.save(background, **where)
