@@ -1,4 +1,5 @@
-"""Model building: everything a trainer rank trains and samples with, made from (config, context) in one place.
+"""Model building: everything a trainer rank trains and samples with, made from (config, context) in one place
+(and the data checks that come before it: load_split, check_prompt_lengths).
 
 build_models loads the policy, makes the generation replica, applies LoRA, wraps the policy in its engine (the
 optimizer and LR schedule with it) and builds the reference model; build_rollouts then makes the rollout engine,
@@ -22,6 +23,7 @@ from grpo_dist import flops
 from grpo_dist import lora
 from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.config import ConfigError, GRPOConfig
+from grpo_dist.data import DataError, load_examples, prompt_length_check, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import Engine, build_engine, shards_from_host
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
@@ -100,6 +102,26 @@ def build_rollouts(cfg: GRPOConfig, ctx: gdist.DistContext, models: Models, resu
     if rng is not None:
         ckpt.set_rng_state(rng)
     return models.rollout_engine
+
+
+def load_split(cfg: GRPOConfig, split: str, is_main: bool) -> list:
+    """The train or eval examples, prompts longer than data.max_prompt_length cut (one warning on rank 0)."""
+    examples = load_examples(cfg.data, split)
+    where = (cfg.data.path if split == "train" else cfg.data.eval_path) or f"data.preset={cfg.data.preset} ({split})"
+    return truncate_long_prompts(examples, cfg.data.max_prompt_length, where, warn=is_main)
+
+
+def check_prompt_lengths(cfg: GRPOConfig, ctx: gdist.DistContext, examples, tokenizer) -> None:
+    """Collective. Rank 0 counts the training prompts that rollouts would cut (data.prompt_length_check), every rank
+    gets its verdict: above data.max_truncated_prompt_fraction the run stops (DataError, exit 2), else one warning."""
+    warning, error = None, None
+    if ctx.is_main:
+        warning, error = prompt_length_check(examples, cfg.data, tokenizer)
+        if warning:
+            print(f"[grpo_dist] {warning}", flush=True)
+    error = gdist.broadcast_object(error)
+    if error:
+        raise DataError(error)
 
 
 def _build_replica(cfg, ctx, policy, meta: bool, compute_dtype):

@@ -34,14 +34,13 @@ from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
 from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
-from grpo_dist.build import build_models, build_rollouts
+from grpo_dist.build import build_models, build_rollouts, check_prompt_lengths, load_split
 from grpo_dist.checkpointer import Checkpointer, Counters, RunInfo, Scheduler
 from grpo_dist.checkpointer import resolve as resolve_resume
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
-from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, render_prompt,
-                            truncate_long_prompts)
+from grpo_dist.data import (DataError, PromptSampler, render_prompt)
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
@@ -97,8 +96,8 @@ class GRPOTrainer:
         # sampling_noise=rank (and vLLM, dropout): each rank its own stream; per_prompt rollouts do not read it
         ckpt.seed_everything(cfg.seed + ctx.rank)
         # Data and reward functions first: their mistakes are named before minutes of model loading.
-        self.train_examples = self._load_split("train")
-        self.eval_examples = self._load_split("eval") if cfg.eval_steps or cfg.full_eval_steps else []
+        self.train_examples = load_split(cfg, "train", ctx.is_main)
+        self.eval_examples = load_split(cfg, "eval", ctx.is_main) if cfg.eval_steps or cfg.full_eval_steps else []
         if (cfg.eval_steps or cfg.full_eval_steps) and not self.eval_examples:
             key = "eval_steps" if cfg.eval_steps else "full_eval_steps"
             raise ConfigError(f"config key '{key}' = {getattr(cfg, key)}, but the eval split is empty (no "
@@ -121,7 +120,11 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
-        self._check_prompt_lengths()  # prompts that lose their beginning: one warning, or refused (before models)
+        try:  # prompts that lose their beginning: one warning, or refused (before models)
+            check_prompt_lengths(cfg, ctx, self.train_examples, self.tokenizer)
+        except DataError:
+            self.rewards.close()
+            raise
         self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
         self.models = build_models(cfg, ctx, self.tokenizer)  # policy engine, reference, replica (build.py)
         m = self.models
@@ -173,26 +176,6 @@ class GRPOTrainer:
             from grpo_dist.async_rollout import AsyncRollouts
             self.async_rollouts = AsyncRollouts(cfg, ctx)
         self.behaviour_ratio = bool(cfg.rollout_ranks and cfg.max_staleness)
-
-    # --------------------------------------------------------------------------------------------------- setup
-    def _check_prompt_lengths(self) -> None:
-        """Rank 0 counts the training prompts that rollouts would cut (data.prompt_length_check), every rank gets
-        its verdict: above data.max_truncated_prompt_fraction the run stops (DataError, exit 2), else one warning."""
-        warning, error = None, None
-        if self.ctx.is_main:
-            warning, error = prompt_length_check(self.train_examples, self.cfg.data, self.tokenizer)
-            if warning:
-                print(f"[grpo_dist] {warning}", flush=True)
-        error = gdist.broadcast_object(error)
-        if error:
-            self.rewards.close()
-            raise DataError(error)
-
-    def _load_split(self, split: str):
-        examples = load_examples(self.cfg.data, split)
-        where = (self.cfg.data.path if split == "train" else self.cfg.data.eval_path) or \
-            f"data.preset={self.cfg.data.preset} ({split})"
-        return truncate_long_prompts(examples, self.cfg.data.max_prompt_length, where, warn=self.ctx.is_main)
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Stop request (SIGTERM / SIGUSR1 / the first Ctrl-C, see interrupts.py): finish the current step,
