@@ -39,6 +39,9 @@ from grpo_dist.data import DataError
 
 FLAT_PARTS = ("counters", "run")  # their state_dicts are the top level of trainer_state.json
 DATA_CURSORS = ("sampler", "sft_sampler")  # checked against this world size before any weight is read
+# trainer_state.json's key order as written before the parts existed (a file of the same state is the same bytes)
+KEY_ORDER = ("step", "epoch", "sampler", "scheduler", "world_size", "nonfinite_steps", "config", "sft_sampler",
+             "curriculum")
 
 
 class Stateful(Protocol):
@@ -155,7 +158,8 @@ class Checkpointer:
                 out.update(part.state_dict())
             else:
                 out[key] = part.state_dict()
-        return out
+        rank = {key: i for i, key in enumerate(KEY_ORDER)}
+        return dict(sorted(out.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
     def save(self, background: bool = False, name: str | None = None,
              extra_files: dict[str, str] | None = None) -> Path:

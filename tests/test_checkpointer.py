@@ -35,6 +35,8 @@ def test_trainer_state_puts_each_part_where_the_format_has_it():
     assert state == {"step": 3, "epoch": 1, "nonfinite_steps": 2, "sampler": {"order": [1, 0]},
                      "scheduler": {"last_epoch": 3}, "world_size": 2, "config": {"seed": 7},
                      "curriculum": {"counts": [4]}}
+    assert list(state) == ["step", "epoch", "sampler", "scheduler", "world_size", "nonfinite_steps", "config",
+                           "curriculum"]  # the order written before the parts existed
 
 
 def test_a_save_right_after_a_resume_writes_the_same_checkpoint(tmp_path):
