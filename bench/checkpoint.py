@@ -81,8 +81,7 @@ def _worker(rank, world, port, out_dir, fmt, repeats, result_file):
         gdist.barrier()
         with RssPeak() as mem:
             t0 = time.perf_counter()
-            path = ckpt.save_checkpoint(str(out), tr.step, tr.engine, tr.gen_model, tr.tokenizer,
-                                        tr.trainer_state(), ctx, save_format=fmt)
+            path = tr.checkpointer.with_target(output_dir=str(out), save_format=fmt).save()
             save_s = time.perf_counter() - t0
         save_mem = mem.rise
         gdist.barrier()
@@ -189,12 +188,12 @@ def bench_blocking(model: str, repeats: int) -> None:
             t0 = time.perf_counter()
             tr.save()
             sync = time.perf_counter() - t0
-            tr._save_times(wait=True)
+            tr.checkpointer.save_times(wait=True)
             t0 = time.perf_counter()
             tr.save(background=True)
             blocking = time.perf_counter() - t0
             tr.train_step()  # trains while the checkpoint is written
-            total = tr._save_times(wait=True)["time_save_s"]
+            total = tr.checkpointer.save_times(wait=True)["time_save_s"]
             rows.append((sync, blocking, total))
         n = sum(p.numel() for p in tr.gen_model.parameters())
     med = [statistics.median(r[i] for r in rows) for i in range(3)]

@@ -161,7 +161,7 @@ def new_trainer(cfg, ctx):
     tr = GRPOTrainer(cfg, ctx)
     sync()
     result(stage="init", run=Path(cfg.output_dir).name, seconds=round(time.perf_counter() - t0, 1),
-           engine=type(tr.engine).__name__, save_format=tr.save_format, resumed_from=str(tr.resumed_from),
+           engine=type(tr.engine).__name__, save_format=tr.save_format, resumed_from=str(tr.checkpointer.resumed_from),
            peak_gib=peak_gib())
     return tr
 
@@ -184,9 +184,10 @@ def run_steps(tr, upto: int, run: str, save_at: int | None = None) -> list[dict]
         result(**row)
         rows.append(row)
         if save_at and tr.step == save_at:
-            tr.save(background=tr.saver is not None)  # as the training loop saves (async_save)
-    if tr.saver is not None and tr.saver.in_flight():  # in place before anything resumes from it
-        result(stage="save", run=run, **{k: round(v, 3) for k, v in tr._save_times(wait=True).items()})
+            tr.save(background=tr.checkpointer.saver is not None)  # as the training loop saves (async_save)
+    saver = tr.checkpointer.saver
+    if saver is not None and saver.in_flight():  # in place before anything resumes from it
+        result(stage="save", run=run, **{k: round(v, 3) for k, v in tr.checkpointer.save_times(wait=True).items()})
     return rows
 
 

@@ -32,7 +32,9 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -294,6 +296,13 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def seed_everything(seed: int) -> None:
+    """python, numpy and torch RNG from one seed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -362,14 +371,29 @@ def _save_hf_config(hf_model, out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- save, load
-def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokenizer, trainer_state: dict, ctx,
-                    save_total_limit: int | None = None, keep: Path | None = None,
-                    save_format: str = "full", lora_cfg=None, base_name: str | None = None,
-                    check_hashes: bool = False, name: str | None = None,
-                    extra_files: dict[str, str] | None = None, background=None) -> Path:
+@dataclass(frozen=True)
+class Target:
+    """What every save of a run has in common: where it goes, the engine and model it reads, the format, and the
+    keeping rules. save_format: full or sharded (resolve_save_format); lora_cfg: the adapter's settings when the
+    run trains a LoRA adapter (the checkpoint holds the adapter only); base_name: the base model's name for the
+    adapter's config; check_hashes: pruning verifies the checkpoints it keeps by sha256."""
+    output_dir: str | Path
+    engine: Engine
+    hf_model: Any
+    tokenizer: Any
+    ctx: Any
+    save_format: str = "full"
+    save_total_limit: int | None = None
+    lora_cfg: Any = None
+    base_name: str | None = None
+    check_hashes: bool = False
+
+
+def save_checkpoint(target: Target, step: int, trainer_state: dict, rng: dict | None = None, keep: Path | None = None,
+                    name: str | None = None, extra_files: dict[str, str] | None = None, background=None) -> Path:
     """Collective: every rank calls it. full: rank 0 writes the gathered model and optimizer; sharded: every rank
-    writes its shards. Rank 0 writes the trainer state, every rank its RNG; then manifest, rename, prune
-    (check_hashes: the checkpoints pruning keeps are verified by sha256, each once per process).
+    writes its shards. Rank 0 writes the trainer state, every rank its RNG (rng: this rank's, rng_state() by
+    default); then manifest, rename, prune (never `keep`, the checkpoint the run resumed from).
     A write error on any rank (a full disk: write_errors.py) raises CheckpointError on every rank, naming the last
     good checkpoint; the partial copy is removed and the previous checkpoints are untouched.
     name: write output_dir/<name>/ instead of checkpoint-<step> (the best checkpoint: swapped in for the previous
@@ -377,19 +401,18 @@ def save_checkpoint(output_dir: str, step: int, engine: Engine, hf_model, tokeni
     background: an async_save.BackgroundSaver: first wait for its save in flight (raising its error), then copy the
     state here and leave the writing, manifest and rename to its thread (engines without supports_async_save:
     written here, after the wait). Returns the checkpoint's final path (in place once the save is done)."""
-    out = Path(output_dir)
+    out, ctx = Path(target.output_dir), target.ctx
     final = out / (name or f"checkpoint-{step}")
     tmp = out / f"{TMP_PREFIX}{name or step}"
     if background is not None:
         background.wait()  # one save at a time; the previous one's error is raised here if nothing raised it yet
-        if not engine.supports_async_save:
+        if not target.engine.supports_async_save:
             background = None
     started = time.perf_counter()  # this save's own time (time_save_s) starts after that wait
     error = _attempt(tmp, ctx.rank, _make_tmp, out, tmp) if ctx.is_main else None
     _agree_on_write(error, tmp, out, final.name, ctx)
-    snap = _Snapshot(engine, save_format, ctx, trainer_state, staged=background is not None)
-    job = _SaveJob(out, final, tmp, step, engine, hf_model, tokenizer, ctx, save_format, save_total_limit, keep,
-                   lora_cfg, base_name, check_hashes, name, extra_files or {}, snap)
+    snap = _Snapshot(target, trainer_state, rng_state() if rng is None else rng, staged=background is not None)
+    job = _SaveJob(target, step, final, tmp, keep, name, extra_files or {}, snap)
     if background is None:
         job.run()
     else:
@@ -435,42 +458,41 @@ class _Snapshot:
     """What a checkpoint holds, taken on the training thread (collective: the engine's gathers): the full state
     (rank 0) or this rank's sharded state (staged: copies in host memory), this rank's RNG, the trainer state."""
 
-    def __init__(self, engine: Engine, save_format: str, ctx, trainer_state: dict, staged: bool):
+    def __init__(self, target: Target, trainer_state: dict, rng: dict, staged: bool):
+        engine = target.engine
         self.model_sd = self.optim_sd = self.sharded = None
-        if save_format == "sharded":
+        if target.save_format == "sharded":
             self.sharded = engine.sharded_state_to_save(staged)
         else:
             self.model_sd, self.optim_sd = engine.gather_full_state()
-            if staged and ctx.is_main:
+            if staged and target.ctx.is_main:
                 self.model_sd, self.optim_sd = _owned_copy((self.model_sd, self.optim_sd), engine)
-        self.rng = rng_state()
-        self.state_text = json.dumps(dict(trainer_state, save_format=save_format), indent=1, default=str)
+        self.rng = rng
+        self.state_text = json.dumps(dict(trainer_state, save_format=target.save_format), indent=1, default=str)
 
 
 class _SaveJob:
     """The writing part of a save: files, manifest, rename, prune. Runs on the training thread, or on the saver's
     (async_save.py) with its collectives in the saver's own group: the same steps in the same order either way."""
 
-    def __init__(self, out, final, tmp, step, engine, hf_model, tokenizer, ctx, save_format, save_total_limit, keep,
-                 lora_cfg, base_name, check_hashes, name, extra_files, snap: _Snapshot):
-        self.out, self.final, self.tmp, self.step, self.engine = out, final, tmp, step, engine
-        self.hf_model, self.tokenizer, self.ctx, self.save_format = hf_model, tokenizer, ctx, save_format
-        self.save_total_limit, self.keep, self.lora_cfg, self.base_name = save_total_limit, keep, lora_cfg, base_name
-        self.check_hashes, self.name, self.extra_files, self.snap = check_hashes, name, extra_files, snap
+    def __init__(self, target: Target, step: int, final: Path, tmp: Path, keep: Path | None, name: str | None,
+                 extra_files: dict[str, str], snap: _Snapshot):
+        self.target, self.step, self.final, self.tmp, self.keep = target, step, final, tmp, keep
+        self.name, self.extra_files, self.snap = name, extra_files, snap
 
     def run(self) -> None:
-        out, final, tmp, ctx, snap, label = self.out, self.final, self.tmp, self.ctx, self.snap, self.final.name
+        t, final, tmp, snap, label = self.target, self.final, self.tmp, self.snap, self.final.name
+        out, ctx, engine = Path(t.output_dir), t.ctx, t.engine
         error = None
         if snap.sharded is not None:  # collective: DCP raises its CheckpointException on every rank alike
-            error = _attempt(tmp / SHARDED_DIR, ctx.rank, self.engine.write_sharded, snap.sharded, tmp / SHARDED_DIR)
+            error = _attempt(tmp / SHARDED_DIR, ctx.rank, engine.write_sharded, snap.sharded, tmp / SHARDED_DIR)
         if error is None:
-            error = _attempt(tmp, ctx.rank, _write_main_files, tmp, self.save_format, self.hf_model, ctx,
-                             snap.model_sd, snap.optim_sd, self.lora_cfg, self.base_name, self.tokenizer)
+            error = _attempt(tmp, ctx.rank, _write_main_files, tmp, t, snap.model_sd, snap.optim_sd)
         snap.model_sd = snap.optim_sd = snap.sharded = None  # the memory goes back as soon as it is written
         # backend-specific state for an exact resume (DeepSpeed: deepspeed/); collective: every rank, whatever happened
-        error = _attempt(tmp, ctx.rank, self.engine.save_engine_state, tmp) or error
+        error = _attempt(tmp, ctx.rank, engine.save_engine_state, tmp) or error
         if error is None:
-            error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, self.tokenizer, snap)
+            error = _attempt(tmp, ctx.rank, _write_rank_files, tmp, ctx, t.tokenizer, snap)
         if error is None and ctx.is_main and self.extra_files:
             error = _attempt(tmp, ctx.rank, _write_texts, tmp, self.extra_files)
         faults.inject("kill_save", self.step, ctx.rank)
@@ -481,8 +503,7 @@ class _SaveJob:
         elif self.name:
             error = _attempt(final, ctx.rank, _swap_in, tmp, final)
         else:
-            error = _attempt(final, ctx.rank, _publish, tmp, final, self.save_total_limit, self.keep,
-                             self.check_hashes)
+            error = _attempt(final, ctx.rank, _publish, tmp, final, t.save_total_limit, self.keep, t.check_hashes)
         _agree_on_write(error, tmp, out, label, ctx)  # also the barrier: the checkpoint is in place for every rank
 
 
@@ -543,17 +564,17 @@ def _attempt(where: Path, rank: int, write, *args) -> str | None:
         return f"rank {rank}: {reason}"
 
 
-def _write_main_files(tmp: Path, save_format: str, hf_model, ctx, model_sd, optim_sd, lora_cfg=None,
-                      base_name=None, tokenizer=None) -> None:
+def _write_main_files(tmp: Path, target: Target, model_sd, optim_sd) -> None:
     """Rank 0's HF files (config.json, and for save_format=full the weights, or the LoRA adapter) and the gathered
     optimizer state."""
-    if not ctx.is_main:
+    if not target.ctx.is_main:
         return
+    hf_model = target.hf_model
     _save_hf_config(hf_model, tmp)  # what from_pretrained / an export needs besides the weights
-    if save_format != "sharded" and lora_cfg is not None:
-        _save_lora(tmp, model_sd, lora_cfg, base_name, hf_model, tokenizer)
+    if target.save_format != "sharded" and target.lora_cfg is not None:
+        _save_lora(tmp, model_sd, target.lora_cfg, target.base_name, hf_model, target.tokenizer)
         _save_optimizer(optim_sd, tmp)
-    elif save_format != "sharded":
+    elif target.save_format != "sharded":
         write_hf_weights(tmp, {k: (v.shape, v.dtype) for k, v in model_sd.items()},
                          lambda names: {k: model_sd[k] for k in names},
                          getattr(hf_model.config, "tie_word_embeddings", False))
@@ -634,10 +655,32 @@ def _rank0_reads(ctx, read):
 
 
 def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
-    """Collective: loads model + optimizer into the engine, the LR schedule, and this rank's RNG (when the world
-    size is unchanged). Returns the trainer state, with `rng_restored` set. The entries a full-state file stores
-    only once (tied embeddings) are named by `tied` ({name: [its other names]}, read from the unwrapped model), or
-    found from hf_model, a plain copy of the model."""
+    """Collective: loads model + optimizer into the engine (load_weights), the LR schedule, and this rank's RNG
+    (when the world size is unchanged). Returns the trainer state, with `rng_restored` set. (The trainer resumes
+    through checkpointer.Checkpointer, which restores the same parts in the same order.)"""
+    state = load_weights(path, engine, ctx, hf_model, tied)
+    engine.load_scheduler_state(state["scheduler"])
+    rng = saved_rng(path, ctx, state)
+    state["rng_restored"] = rng is not None
+    if rng is not None:
+        set_rng_state(rng)
+    return state
+
+
+def saved_rng(path: Path, ctx, state: dict) -> dict | None:
+    """This rank's RNG state from the checkpoint; None when it does not map onto this run (another world size) or
+    this rank has no file of its own (node-local disk)."""
+    rng_file = Path(path) / f"rng_state_{ctx.rank}.pt"
+    if state.get("world_size") != ctx.world_size or not rng_file.is_file():
+        return None
+    return torch.load(rng_file, weights_only=False)
+
+
+def load_weights(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[str, list[str]] | None = None) -> dict:
+    """Collective: loads model + optimizer (full, sharded or LoRA adapter) and the engine's own state (DeepSpeed)
+    into the engine; returns the trainer state (rank 0's read). The entries a full-state file stores only once
+    (tied embeddings) are named by `tied` ({name: [its other names]}, read from the unwrapped model), or found
+    from hf_model, a plain copy of the model."""
     path = Path(path)
     # Rank 0 reads the layout and the trainer state for every rank: a rank's own view of the directory (node-local
     # disk, a lagging network file system) must not make it skip a collective the others run (the LoRA gather).
@@ -672,11 +715,6 @@ def load_checkpoint(path: Path, engine: Engine, ctx, hf_model=None, tied: dict[s
         engine.load_full_state(model_sd, optim_sd)
         del model_sd, optim_sd
     engine.load_engine_state(path)
-    engine.load_scheduler_state(state["scheduler"])
-    rng_file = path / f"rng_state_{ctx.rank}.pt"
-    state["rng_restored"] = state.get("world_size") == ctx.world_size and rng_file.is_file()
-    if state["rng_restored"]:
-        set_rng_state(torch.load(rng_file, weights_only=False))
     return state
 
 

@@ -129,7 +129,6 @@ def test_fsdp2_8bit_steps_like_one_process(stepped):
 # ------------------------------------------------------------------------------------------------- resume
 def _straight_and_resumed(rank, world, tmp):
     """4 steps straight, saving step 2 as a sharded (DCP) and as a full checkpoint; then 2 steps from each."""
-    from grpo_dist import checkpoint as ckpt
     from helpers import resume_trainer
     base = [WIDE, "optimizer=adamw_8bit", *FSDP2, "save_steps=2", "save_format=sharded"]
     tr = resume_trainer(base + [f"output_dir={tmp / 'straight'}"])
@@ -137,8 +136,7 @@ def _straight_and_resumed(rank, world, tmp):
         tr.train_step()
         if tr.step == 2:
             tr.save()
-            ckpt.save_checkpoint(str(tmp / "full"), tr.step, tr.engine, tr.hf_model, tr.tokenizer, tr.trainer_state(),
-                                 tr.ctx, save_format="full")
+            tr.checkpointer.with_target(output_dir=str(tmp / "full"), save_format="full").save()
     out = {"straight": _final(tr)}
     for name, path in (("from_sharded", tmp / "straight" / "checkpoint-2"),
                        ("from_full", tmp / "full" / "checkpoint-2")):

@@ -50,12 +50,12 @@ def test_background_save_holds_its_steps_state_and_looks_intact_only_when_done(g
         want = _state(tr)
         path = tr.save(background=True)
         # written in the background: only the temporary copy exists, nothing that looks like a checkpoint
-        assert tr.saver.in_flight() and not path.exists() and list(out.glob(".tmp-checkpoint-*"))
+        assert tr.checkpointer.saver.in_flight() and not path.exists() and list(out.glob(".tmp-checkpoint-*"))
         assert ckpt.latest_checkpoint(out) is None
         tr.train_step()  # weights and moments change while the write waits
         assert not tensors_close(_state(tr)[0], want[0])
         gate.set()
-        total = tr.saver.wait()
+        total = tr.checkpointer.saver.wait()
         assert total is not None and total > 0
         assert ckpt.verify_checkpoint(path, check_hashes=True) is None
         assert not list(out.glob(".tmp-checkpoint-*"))
@@ -91,7 +91,7 @@ def test_the_next_save_waits_for_the_one_in_flight(gate, tmp_path, one_thread):
         blocked = time.perf_counter() - t0
         assert blocked >= 0.5, blocked  # it waited for the first one ...
         assert ckpt.verify_checkpoint(first, check_hashes=True) is None  # ... which is in place
-        times = tr._save_times(wait=True)
+        times = tr.checkpointer.save_times(wait=True)
         assert ckpt.verify_checkpoint(second, check_hashes=True) is None
         # the second save's blocking time includes the wait; its own time (time_save_s) starts after it
         assert times["time_save_blocking_s"] >= 0.5 and 0 < times["time_save_s"] < times["time_save_blocking_s"]
@@ -138,7 +138,7 @@ def test_a_stop_request_waits_for_the_save_in_flight_then_exits_75(tmp_path, mon
         tr = resume_trainer([f"output_dir={out}"])
         tr.request_stop()  # as SIGTERM's handler does: the step finishes, a checkpoint is written, exit 75
         code = tr.train()
-        assert code == PREEMPTED_EXIT_CODE and not tr.saver.in_flight()
+        assert code == PREEMPTED_EXIT_CODE and not tr.checkpointer.saver.in_flight()
         assert ckpt.verify_checkpoint(out / "checkpoint-1", check_hashes=True) is None
     in_process(run)
 

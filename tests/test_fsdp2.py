@@ -130,7 +130,6 @@ def _tied_trainer(overrides):
 
 def _straight(rank, world, backend, out):
     """2 steps with a full checkpoint after each; after step 1 also a sharded one (fsdp2)."""
-    from grpo_dist import checkpoint as ckpt
     tr = _tied_trainer([f"distributed.backend={backend}", f"output_dir={out}"])
     assert tr.gen_model.lm_head.weight is tr.gen_model.model.embed_tokens.weight  # really tied
     if backend == "fsdp2":
@@ -140,8 +139,7 @@ def _straight(rank, world, backend, out):
         tr.train_step()
         tr.save()
         if tr.step == 1 and backend == "fsdp2":
-            ckpt.save_checkpoint(f"{out}_sharded", tr.step, tr.engine, tr.gen_model, tr.tokenizer,
-                                 tr.trainer_state(), tr.ctx, save_format="sharded")
+            tr.checkpointer.with_target(output_dir=f"{out}_sharded", save_format="sharded").save()
 
 
 def _resumed(rank, world, runs):

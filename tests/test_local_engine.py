@@ -100,11 +100,9 @@ def test_fsdp_wrap_auto_threshold_counts_parameters_also_on_meta_models():
 
 
 def _save_sharded_per_layer(rank, world, out):
-    from grpo_dist import checkpoint as ckpt
     tr = resume_trainer([f"output_dir={out}", "distributed.fsdp_wrap=layer", "max_steps=1", "save_final=false"])
     assert tr.train() == 0
-    ckpt.save_checkpoint(out, tr.step, tr.engine, tr.gen_model, tr.tokenizer, tr.trainer_state(), tr.ctx,
-                         save_format="sharded")
+    tr.checkpointer.with_target(save_format="sharded").save()
     return copy.deepcopy(tr.engine.gather_full_state())
 
 

@@ -21,15 +21,13 @@ def _straight(rank, world, out, out_sharded):
     """4 steps, a full checkpoint after each; after step 2 also a sharded one (into another directory). All are
     background saves (async_save), written while the next steps train: the resumes below prove each holds the state
     of its own step."""
-    from grpo_dist import checkpoint as ckpt
     tr = resume_trainer([f"output_dir={out}"])
     for _ in range(STEPS):
         tr.train_step()
         tr.save(background=True)
         if tr.step == 2:
-            ckpt.save_checkpoint(out_sharded, tr.step, tr.engine, tr.gen_model, tr.tokenizer, tr.trainer_state(),
-                                 tr.ctx, save_format="sharded", background=tr.saver)
-    tr.saver.wait()
+            tr.checkpointer.with_target(output_dir=out_sharded, save_format="sharded").save(background=True)
+    tr.checkpointer.saver.wait()
 
 
 def _resumed(rank, world, runs):

@@ -217,7 +217,7 @@ def _two_ranks(rank, world, out):
     weights: dict = {}
     tr = run([f"output_dir={out}", "save_steps=2", "max_steps=3", "prompts_per_rank=1", "distributed.timeout_s=60"],
              weights)
-    return tr.best, weights[2] if rank == 0 else None
+    return tr.checkpointer.best, weights[2] if rank == 0 else None
 
 
 @pytest.mark.slow
