@@ -23,6 +23,7 @@ from grpo_dist import flops
 from grpo_dist import lora
 from grpo_dist.async_rollout import RolloutsElsewhere
 from grpo_dist.config import ConfigError, GRPOConfig
+from grpo_dist.config.choices import FSDP_BACKENDS
 from grpo_dist.data import DataError, load_examples, prompt_length_check, truncate_long_prompts
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import Engine, build_engine, shards_from_host
@@ -83,7 +84,7 @@ def build_models(cfg: GRPOConfig, ctx: gdist.DistContext, tokenizer) -> Models:
         ref_model = lora.Reference(engine.module)
     elif cfg.beta != 0.0:  # with beta = 0 the reference model is neither built nor run
         ref = _load_model(cfg, ctx, tokenizer, "reference model", meta, to_device=False)
-        if cfg.distributed.backend in ("fsdp", "fsdp2"):  # kept in the compute dtype: cast before the GPU
+        if cfg.distributed.backend in FSDP_BACKENDS:  # kept in the compute dtype: cast before the GPU
             cast_parameters_(ref, compute_dtype)
         ref_model = engine.wrap_reference(ref if meta or host else ref.to(ctx.device))
     return Models(tokenizer, policy, engine, ref_model, gen_model, tied_weights, padding_free, share_prompts,

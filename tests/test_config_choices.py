@@ -17,10 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grpo_dist"
 LISTS = {k: v for k, v in vars(C).items() if k.isupper() and isinstance(v, tuple) and len(v) >= 2}
 
 # Copies left where they are on purpose, with why: (file under grpo_dist/, name in choices.py).
-LEFT = {
-    # trainer.py is being rewritten by issue 38 items 1-3; its one copy goes with that rewrite
-    ("trainer.py", "FSDP_BACKENDS"),
-}
+LEFT: set[tuple[str, str]] = set()  # (file, list name) of a copy allowed to stay: none
 
 
 def _fields(obj, prefix=""):
