@@ -53,8 +53,10 @@ some of them before are in no checkpoint), then as above. The rollout ranks keep
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import functools
 import os
 import pickle
 import time
@@ -67,6 +69,7 @@ import torch.distributed as dist
 from grpo_dist import distributed as gdist
 from grpo_dist import watchdog
 from grpo_dist.config import ConfigError
+from grpo_dist.graded import Graded, sample_and_grade
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.rollout_engines import RolloutEngine
 
@@ -230,17 +233,21 @@ def _broadcast(t: torch.Tensor, roles_: Roles, what: str) -> None:
 
 # --------------------------------------------------------------------------------------------- trainer side
 class AsyncRollouts:
-    """The trainer's end: sends prompt batches and weights, receives graded completions (module docstring)."""
+    """The trainer's end: sends prompt batches and weights, receives graded completions (module docstring). It
+    reads nothing of the trainer: the data sampler, the policy's weights and the stop request are passed in."""
 
-    def __init__(self, cfg, ctx: gdist.DistContext):
+    def __init__(self, cfg, ctx: gdist.DistContext, sampler, weights, request_stop):
+        """sampler: the trainer's PromptSampler (its cursor advances as batches come back); weights(dtype): an
+        iterator of the policy's full weights (Engine.iter_full_weights, a collective of the trainer ranks);
+        request_stop(): called when this rank's rollout rank was asked to stop."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles()
+        self.sampler, self.weights, self.request_stop = sampler, weights, request_stop
         self.k = cfg.max_staleness
         self.version = 0          # the trainer's policy version: optimizer steps taken
         self.sent_version: int | None = None  # the last version broadcast (every trainer tracks it)
         self.manifest: list[tuple[str, tuple, torch.dtype]] | None = None
-        self.next_batch = 0       # the batch (step) whose prompts go out next
-        self.received = 0         # batches whose completions came back
-        self.pending: dict[int, object] = {}
+        self.next_batch = 0       # the batch whose prompts go out next (one per round: without dynamic sampling
+        self.received = 0         # the batch number is the step's); batches whose completions came back
         self.ahead: Any = None    # the PromptSampler the prompts go out from (start)
         self.in_flight: dict[int, tuple[int, list[int]]] = {}  # batch -> (global batch number, its examples)
         self.stats: dict[str, Any] = dict(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0,
@@ -252,28 +259,41 @@ class AsyncRollouts:
     def peer(self) -> int:
         return self.roles.rollout_of(self.ctx.rank)
 
-    def start(self, trainer) -> None:
+    def start(self, step: int) -> None:
         """The first k + 1 batches, all sampled with the loaded policy (version 0, or the checkpoint's step after
         a resume: the batches in flight when the job died are regenerated with the resumed weights)."""
-        self.version = trainer.step
-        self.next_batch = self.received = trainer.step
+        self.version = step
+        self.next_batch = self.received = step
         # Two cursors over one prompt order: the prompts go out from a copy that runs up to k + 1 batches ahead;
-        # trainer.sampler advances only when a batch's completions come back (receive), so a checkpoint's cursor
-        # is that of the batches trained and a resume regenerates the ones in flight, neither lost nor repeated.
-        self.ahead = copy.copy(trainer.sampler)
+        # the trainer's sampler advances only when a batch's completions come back (receive), so a checkpoint's
+        # cursor is that of the batches trained and a resume regenerates the ones in flight, neither lost nor
+        # repeated.
+        self.ahead = copy.copy(self.sampler)
         self.started = True
-        while self.next_batch <= trainer.step + self.k and self.next_batch < self.cfg.max_steps:
-            self._send_batch(trainer)
+        while self._wanted(step):
+            self._send_batch()
 
-    def after_step(self, trainer) -> None:
-        """After the optimizer step of step s: version s + 1, and the prompts of batch s + k + 1."""
-        self.version = trainer.step
-        if self.next_batch < self.cfg.max_steps:
-            self._send_batch(trainer)
+    def after_step(self, step: int) -> None:
+        """After the optimizer step of step s (step = s + 1 steps taken): version s + 1, and the prompts of the next
+        batch when one is still needed."""
+        self.version = step
+        if self._wanted(step):
+            self._send_batch()
 
-    def _send_batch(self, trainer) -> None:
+    def refill(self, step: int) -> None:
+        """Dynamic sampling takes one more round in step `step`: a batch goes out on the same weights first (at
+        max_staleness 0 nothing else is in flight)."""
+        if self._wanted(step):
+            self._send_batch()
+
+    def _wanted(self, step: int) -> bool:
+        """Whether another batch goes out now: at most k + 1 in flight (so a batch sampled with version v trains by
+        step v + k: every step takes at least one), and no more than the max_steps - step steps left need."""
+        return self.next_batch - self.received < min(self.k + 1, self.cfg.max_steps - step)
+
+    def _send_batch(self) -> None:
         from grpo_dist import faults
-        self._sync_weights(trainer, self.version)
+        self._sync_weights(self.version)
         examples = self.ahead.next_batch()  # the data cursor stays with the trainers
         message = dict(batch=self.next_batch, batch_number=self.ahead.last_batch_number,
                        indices=list(self.ahead.last_prompt_indices), examples=examples)
@@ -284,16 +304,15 @@ class AsyncRollouts:
             flush(self.roles)
             faults.inject("kill_sent", self.next_batch, self.ctx.rank)
 
-    def _sync_weights(self, trainer, version: int) -> None:
+    def _sync_weights(self, version: int) -> None:
         """Header (version) on the sync group, then the weights when they are new. Every trainer rank runs
-        iter_full_weights (a collective of the trainer group under FSDP); rank 0 broadcasts."""
+        weights() (a collective of the trainer group under FSDP); rank 0 broadcasts."""
         from grpo_dist.rollout_engines import rollout_dtype
         main = self.ctx.rank == 0
         t0 = time.perf_counter()
         new = version != self.sent_version
         if new and self.manifest is None:  # once: names, shapes and dtypes, so the rollout ranks can receive
-            self.manifest = [(n, tuple(t.shape), t.dtype) for n, t in
-                             trainer.engine.iter_full_weights(rollout_dtype(self.cfg))]
+            self.manifest = [(n, tuple(t.shape), t.dtype) for n, t in self.weights(rollout_dtype(self.cfg))]
             if main:
                 for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
                     send_obj(self.manifest, dst, self.roles, "the weight manifest")
@@ -301,7 +320,7 @@ class AsyncRollouts:
             self._header(version)
         if new:
             nbytes = 0
-            for _, t in trainer.engine.iter_full_weights(rollout_dtype(self.cfg)):
+            for _, t in self.weights(rollout_dtype(self.cfg)):
                 if main:
                     t = t.contiguous()
                     _broadcast(t, self.roles, "the weight broadcast")
@@ -310,44 +329,43 @@ class AsyncRollouts:
             self.stats["sync_bytes"] += nbytes
         self.stats["sync_s"] += time.perf_counter() - t0
 
-    def receive(self, trainer):
-        """(batch, rewards, per_function, reward errors) of the current step, sampled and graded on the rollout
-        rank; a batch older than max_staleness is dropped (counted) and this rank trains no row this step."""
-        step = trainer.step
+    def receive(self, step: int) -> Graded:
+        """The next graded batch, for step `step`, sampled and graded on the rollout rank; one older than
+        max_staleness is dropped (counted) and this rank trains no row of it."""
+        batch_id = self.received
         t0 = time.perf_counter()
-        msg = recv_obj(self.peer, self.roles, f"the completions of batch {step}")
+        msg = recv_obj(self.peer, self.roles, f"the completions of batch {batch_id}")
         self.stats["wait_s"] += time.perf_counter() - t0
         self.received += 1
-        if msg["batch"] != step:
-            raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {step}, got batch "
+        if msg["batch"] != batch_id:
+            raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {batch_id}, got batch "
                                f"{msg['batch']} (protocol out of order)")
-        self._advance_cursor(trainer, step)
+        self._advance_cursor(batch_id, step)
         if msg.get("stop_requested") and not self.peer_stopping:  # the rollout rank was asked to stop
             self.peer_stopping = True
             print(f"[grpo_dist] rank {self.ctx.rank} (trainer): rank {self.peer} (rollout) was asked to stop: "
                   f"finishing step {step + 1}, then writing a checkpoint and exiting with code 75", flush=True)
-            trainer.request_stop()
+            self.request_stop()
         self.stats["rollout_idle"], self.stats["rollout_busy"] = msg["idle_s"], msg["busy_s"]
-        batch, rewards, per_function = msg["rollout"], msg["rewards"], msg["per_function"]
+        graded: Graded = msg["graded"]
         lag = step - msg["version"]
         self.stats["lags"].append(lag)
         if not accepted(lag, self.k):
-            self.stats["dropped"] += len(rewards)
-            keep: list[int] = []
-            batch = batch.rows(keep)
-            rewards, per_function = [], {name: [] for name in per_function}
-        return batch, rewards, per_function, msg["errors"], msg["decode"]
+            self.stats["dropped"] += len(graded.rewards)
+            graded = Graded(graded.batch.rows([]), [], {name: [] for name in graded.per_function}, graded.errors,
+                            graded.decode)
+        return graded
 
-    def _advance_cursor(self, trainer, step: int) -> None:
-        """Batch `step` trains: the trainer's own cursor takes it (what a checkpoint saves), and must name the
+    def _advance_cursor(self, batch_id: int, step: int) -> None:
+        """Batch `batch_id` trains: the trainer's own cursor takes it (what a checkpoint saves), and must name the
         prompts that went out with it."""
         from grpo_dist.trained_prompts import record
-        trainer.sampler.next_batch()
-        sent = self.in_flight.pop(step)
-        if sent != (trainer.sampler.last_batch_number, list(trainer.sampler.last_global_indices)):
-            raise RuntimeError(f"rank {self.ctx.rank}: batch {step} went out as global batch {sent[0]}, the "
-                               f"trainer's cursor is at {trainer.sampler.last_batch_number} (cursors out of step)")
-        record(step + 1, self.ctx.rank, trainer.sampler)
+        self.sampler.next_batch()
+        sent = self.in_flight.pop(batch_id)
+        if sent != (self.sampler.last_batch_number, list(self.sampler.last_global_indices)):
+            raise RuntimeError(f"rank {self.ctx.rank}: batch {batch_id} went out as global batch {sent[0]}, the "
+                               f"trainer's cursor is at {self.sampler.last_batch_number} (cursors out of step)")
+        record(step + 1, self.ctx.rank, self.sampler)
 
     def metrics(self, step_time_s: float) -> dict:
         """async/* of this step over the trainer ranks (two all-reduces, every trainer rank)."""
@@ -398,18 +416,14 @@ def accepted(lag: int, max_staleness: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- rollout side
-def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
-    """A rollout rank's whole life: build the replica, the engine and the reward functions, then answer batches
-    until the stop header. Returns the exit code."""
-    from grpo_dist import faults
-    from grpo_dist.data import render_prompt
+def _rollout_side(cfg, ctx: gdist.DistContext):
+    """(tokenizer, rollout engine, reward functions, EOS ids) of a rollout rank: the replica a colocated rank
+    builds (the policy copied in the compute dtype), its engine, and the graders."""
     from grpo_dist.decoder import prepare_replica
     from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer, reward_dtype
     from grpo_dist.rewards import RewardComputer
-    from grpo_dist.rewards.batch import rollout_context
     from grpo_dist.rollout import eos_token_ids
-    from grpo_dist.rollout_engines import SamplingSpec, build_rollout_engine, generate_batch, tied_aliases
-    from grpo_dist.sampling_noise import row_seeds
+    from grpo_dist.rollout_engines import build_rollout_engine, tied_aliases
 
     tokenizer = load_tokenizer(cfg.model)
     policy = load_model(cfg.model, tokenizer)
@@ -422,11 +436,21 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     engine = build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True)
     rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                              device=ctx.device, dtype=reward_dtype(cfg), conversational=cfg.data.use_chat_template)
+    return tokenizer, engine, rewards, eos
+
+
+def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
+    """A rollout rank's whole life: build the replica, the engine and the reward functions, then answer batches
+    until the stop header. Returns the exit code."""
+    from grpo_dist import faults
+
+    tokenizer, engine, rewards, eos = _rollout_side(cfg, ctx)
     served = roles_.served()
     manifest = recv_obj(0, roles_, "the weight manifest")
     version: int | None = None
     idle, busy, j = 0.0, 0.0, 0
     stop = _RolloutStop(roles_.rank)
+
     try:
         with GracefulStop(stop.request, False, lambda: j).installed():
             while True:
@@ -450,28 +474,18 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                         continue
                     t1 = time.perf_counter()
                     watchdog.set_phase("rollout", msg["batch"])
-                    faults.inject("kill", msg["batch"] + 1, roles_.rank)  # a rollout rank that dies (tests)
-                    faults.inject("stop", msg["batch"] + 1, roles_.rank)  # one that hangs
-                    faults.inject("term", msg["batch"] + 1, roles_.rank)  # one asked to stop
-                    examples = msg["examples"]
-                    prompts = [render_prompt(e, cfg.data, tokenizer) for e in examples]
-                    spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
-                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                        row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
-                                                                  cfg.num_generations)),
-                                        full_logprobs=cfg.max_staleness > 0)  # decoupled PPO's behaviour log-probs
-                    batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
-                                           cfg.data.max_prompt_length, ctx.device)
-                    watchdog.set_phase("reward", msg["batch"])
-                    total, per_function = rewards(batch.completions, batch.references,
-                                                  batch.completion_lengths.tolist(), cfg.max_completion_length,
-                                                  **rollout_context(examples, batch))
-                    decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
+                    for fault in ("kill", "stop", "term"):  # a rollout rank that dies, hangs, is asked to stop (tests)
+                        faults.inject(fault, msg["batch"] + 1, roles_.rank)
+                    # the code a colocated rank runs, on the weights of `version`
+                    graded = sample_and_grade(cfg, engine, tokenizer, rewards, msg["examples"],
+                                              batch_number=msg["batch_number"], prompt_indices=msg["indices"],
+                                              eos_ids=eos, device=ctx.device,
+                                              stage=functools.partial(_phase, at=msg["batch"]))
+                    graded.batch = graded.batch.to("cpu")
                     faults.slow_down(msg["batch"] + 1, roles_.rank, time.perf_counter() - t1)  # a slow rank (tests)
                     busy += time.perf_counter() - t1
-                    send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
-                                  per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
-                                  idle_s=idle, busy_s=busy, stop_requested=stop.requested), t, roles_,
+                    send_obj(dict(batch=msg["batch"], version=version, graded=graded, idle_s=idle, busy_s=busy,
+                                  stop_requested=stop.requested), t, roles_,
                              f"the completions of batch {msg['batch']}")
                     if stop.requested:
                         stop.told.add(t)
@@ -485,6 +499,12 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     finally:
         rewards.close()
         engine.close()
+
+
+def _phase(name: str, at: int):
+    """sample_and_grade's stages on a rollout rank: what a trainer names if this rank stops or hangs in one."""
+    watchdog.set_phase(name, at)
+    return contextlib.nullcontext()
 
 
 class _RolloutStop:

@@ -37,15 +37,16 @@ from grpo_dist import lora
 from grpo_dist import micro_batches as mbatch
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
-from grpo_dist.advantages import dynamic_sampling_quota, group_advantages, zero_advantage_groups
-from grpo_dist.async_rollout import RolloutsElsewhere
+from grpo_dist.advantages import group_advantages, zero_advantage_groups
+from grpo_dist.async_rollout import AsyncRollouts, RolloutsElsewhere
 from grpo_dist.async_save import BackgroundSaver
+from grpo_dist.batch_source import ColocatedSource, RolloutRankSource
 from grpo_dist.completions import CompletionLog, format_sample
 from grpo_dist.config import ConfigError, GRPOConfig
-from grpo_dist.curriculum import Curriculum, allocate_group_sizes, record_graded
-from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, render_prompt,
-                            truncate_long_prompts)
+from grpo_dist.curriculum import Curriculum
+from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_length_check, truncate_long_prompts)
 from grpo_dist.decoder import prepare_replica
+from grpo_dist.graded import sampling_spec
 from grpo_dist.engines import build_engine, shards_from_host
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
@@ -56,13 +57,11 @@ from grpo_dist.prompt_sharing import group_order, prompt_groups
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_dtype, load_model, load_on_rank0_only,
                               load_tokenizer, materialize_meta, reward_dtype)
 from grpo_dist.rewards import RewardComputer
-from grpo_dist.rewards.batch import argument_problems, rollout_context
-from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
-from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
-                                       rollout_dtype, tied_aliases)
-from grpo_dist.sampling_noise import row_seed, row_seeds
+from grpo_dist.rewards.batch import argument_problems
+from grpo_dist.rollout import RolloutBatch, cut_off, eos_token_ids
+from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, require_vllm,
+                                       tied_aliases)
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
-from grpo_dist.trained_prompts import record as record_prompts
 
 PASSES = ("reference", "old", "train")  # the passes whose tokens are counted (the old pass: the policy, no grad)
 EMPTY_PASS_TOKENS = 2  # the forward an empty micro-batch runs to keep the collectives in step
@@ -72,10 +71,6 @@ NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the sam
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps were not finite (reward, advantage, loss or gradient), or an update made the
     parameters non-finite or blew them up (grpo_dist/nonfinite.py)."""
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed on every completion of a step."""
 
 
 def _detached(x):
@@ -188,18 +183,14 @@ class GRPOTrainer:
         self.rollout_engine = build_rollout_engine(cfg, ctx, self.gen_model, self.tokenizer, self.tied_weights,
                                                    num_params=num_params, synced=True) \
             if local_rollouts else RolloutsElsewhere()
-        self._decode_tokens = [0, 0]  # this step's decode row-steps computed, tokens generated (all rollout rounds)
-        self._prompts_cut = 0  # this step's prompts longer than max_prompt_length (all rollout rounds)
         if rng is not None:
             ckpt.set_rng_state(rng)
-        self.weight_sync_s = 0.0
         resuming = bool(cfg.resume_from_checkpoint)  # then the lines of steps after self.step are redone
         self.logger = MetricsLogger(cfg.output_dir, ctx.is_main, cfg.report_to, cfg.to_dict(), cfg.max_steps,
                                     cfg.progress_bar, cfg.logging_steps, start_step=self.step, resuming=resuming)
         self.completion_log = CompletionLog(cfg.output_dir, cfg.log_completions, ctx.is_main, start_step=self.step,
                                             resuming=resuming)
         self.last_advantages: torch.Tensor | None = None  # this rank's advantages of the last learn() call
-        self._last_reward_errors: dict = {}  # reward_errors/<name> of the current step (all ranks)
         self.health = HealthMonitor(cfg.health, cfg.max_completion_length, cfg.beta,  # on all-reduced metrics only
                                     completions_per_step=cfg.prompts_per_rank * ctx.world_size * cfg.num_generations,
                                     grad_norm_per_signal=not cfg.skip_zero_advantage_groups)
@@ -207,20 +198,14 @@ class GRPOTrainer:
         self._reward_peaks: list[float] = []  # max |weight x score| per function, for the non-finite guard
         self._skip_note: tuple[str, str] | None = None  # (what, advice) of this step's skip, for the health line
         self._step_flags: dict = {}  # this rank's non-finite rewards / advantages of the current step
-        # group size by difficulty (curriculum.num_generations_min/_max): this round's group sizes, the global
-        # batch's and this rank's slice of them; None: every group has num_generations completions
-        self._global_group_sizes: list[int] | None = None
-        self._group_sizes: list[int] | None = None
+        self._group_sizes: list[int] | None = None  # this step's (group size by difficulty); None: G each
         self._tokens: dict[str, PassTokens] = {name: PassTokens() for name in PASSES}  # of the current step
         self._layouts: dict = {}  # (batch, rows) -> (micro-batch, packed layout) of the current step (_layout)
         # rollout_ranks > 0: the rollouts come from rollout ranks (async_rollout.py); with max_staleness > 0 the
         # objective is decoupled PPO: clipped around the proximal policy (this step's weights, a no-grad pass),
         # weighted by proximal / behaviour (the sampler's log-probs), truncated at sampler_correction_cap
-        self.async_rollouts = None
-        if cfg.rollout_ranks:
-            from grpo_dist.async_rollout import AsyncRollouts
-            self.async_rollouts = AsyncRollouts(cfg, ctx)
         self.behaviour_ratio = bool(cfg.rollout_ranks and cfg.max_staleness)
+        self.source = self._batch_source()
 
     # --------------------------------------------------------------------------------------------------- setup
     def _build_replica(self, policy, meta: bool, compute_dtype):
@@ -421,8 +406,8 @@ class GRPOTrainer:
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
-            if self.async_rollouts is not None:  # the first max_staleness + 1 batches go out
-                self.async_rollouts.start(self)
+            if isinstance(self.source, RolloutRankSource):  # the first max_staleness + 1 batches go out
+                self.source.start(self.step)
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 self._evaluate_if_due(metrics)
@@ -451,11 +436,11 @@ class GRPOTrainer:
                 if exit_code:
                     break
             self._save_times(wait=True)  # the save in flight is in place (or its error raised) before the exit
-            if self.async_rollouts is not None:  # not after an error: the peers may be gone
-                self.async_rollouts.close()
+            if isinstance(self.source, RolloutRankSource):  # not after an error: the peers may be gone
+                self.source.rollouts.close()
         except BaseException as e:
-            if self.async_rollouts is not None:  # the rollout ranks stop now, naming this failure (best effort)
-                self.async_rollouts.abort(e)
+            if isinstance(self.source, RolloutRankSource):  # the rollout ranks stop now, naming this failure
+                self.source.rollouts.abort(e)
             self._finish_save_after(e)
             raise
         finally:
@@ -552,22 +537,32 @@ class GRPOTrainer:
         """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
         self.rollout_engine.close()
 
+    def _batch_source(self):
+        """Where the graded batches come from (batch_source.py): this rank's own rollout engine, or the rollout
+        ranks (rollout_ranks > 0)."""
+        cfg, ctx = self.cfg, self.ctx
+        if not cfg.rollout_ranks:
+            return ColocatedSource(cfg, ctx, self.sampler, self.curriculum, self.rollout_engine, self.tokenizer,
+                                   self.rewards, eos_token_ids(self.hf_model, self.tokenizer),
+                                   self.engine.iter_full_weights)
+        rollouts = AsyncRollouts(cfg, ctx, self.sampler, self.engine.iter_full_weights, self.request_stop)
+        return RolloutRankSource(cfg, ctx, rollouts, self.rewards.names, self.tokenizer.pad_token_id)
+
     def train_step(self) -> dict:
-        """One step, the stages of the module docstring in order: rollout and grade (rounds of them with dynamic
-        sampling), learn (advantage to update, and the step's metrics), then the reward and timing metrics."""
+        """One step, the stages of the module docstring in order: the next graded batch from the batch source
+        (rollout and grade, rounds of them with dynamic sampling), learn (advantage to update, and the step's
+        metrics), then the reward and timing metrics."""
         timer, t0 = Timer(), time.perf_counter()
         watchdog.set_phase("rollout", self.step + 1)
-        self._decode_tokens = [0, 0]
-        self._prompts_cut = 0
-        if self.cfg.dynamic_sampling:
-            batch, rewards, per_function, sampling = self._dynamic_sample(timer)
-        else:
-            (batch, rewards, per_function), sampling = self._rollout_and_grade(timer), {}
+        graded = self.source.next_batch(self.step, timer)
+        batch, rewards, per_function = graded.batch, graded.rewards, graded.per_function
+        self._graded = graded
+        self._group_sizes = graded.group_sizes
         # accuracy = the first reward function (the verifier) gave full marks
         first = next(iter(per_function.values()), rewards)
         self._reward_peaks = nonfinite.reward_peaks(per_function, self.rewards.names, self.rewards.weights)
         # the rollout engine's memory goes to the update (vLLM sleep mode); the next weight sync takes it back
-        self.rollout_engine.release()
+        self.source.release()
         metrics = self.learn(batch, torch.tensor(rewards, dtype=torch.float32), timer,
                              correct=torch.tensor(first, dtype=torch.float32) >= 1.0)
         self._reward_peaks = []
@@ -575,161 +570,31 @@ class GRPOTrainer:
         if self.on_graded is not None:
             self.on_graded(batch, rewards)
         metrics.update(self._reward_means(per_function))
-        metrics.update(self._last_reward_errors)
-        metrics.update(sampling)
+        metrics.update(graded.reward_errors)
+        metrics.update(graded.sampling)
         if self.curriculum is not None:
             metrics.update(self.curriculum.metrics(self.sampler.last_batch_number))
-            if self._global_group_sizes is not None:  # the last round's plan, the same on every rank
-                metrics.update({"curriculum/group_size_min": min(self._global_group_sizes),
-                                "curriculum/group_size_max": max(self._global_group_sizes)})
-        if self.async_rollouts is not None:  # weights of the new version out, the next batch's prompts
-            self.async_rollouts.after_step(self)
-            metrics.update(self.async_rollouts.metrics(time.perf_counter() - t0))
-        metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens")))
+            if graded.global_group_sizes is not None:  # the last round's plan, the same on every rank
+                metrics.update({"curriculum/group_size_min": min(graded.global_group_sizes),
+                                "curriculum/group_size_max": max(graded.global_group_sizes)})
+        if isinstance(self.source, RolloutRankSource):  # weights of the new version out, the next batch's prompts
+            self.source.rollouts.after_step(self.step)
+            metrics.update(self.source.rollouts.metrics(time.perf_counter() - t0))
+        metrics.update(self._timing_metrics(timer, t0, metrics.pop("_completion_tokens"), graded.weight_sync_s))
         metrics.update(self._flops_metrics(metrics, timer, metrics.pop("_attention_pairs")))
         return metrics
 
-    # ----------------------------------------------------------------------- rollout, grade (dynamic sampling)
-    def _rollout_and_grade(self, timer: Timer, refresh: bool = True):
-        """(batch, total rewards, {function: rewards}) of one round of prompts_per_rank prompts."""
-        if self.async_rollouts is not None:  # sampled and graded on a rollout rank
-            with timer("rollout"):
-                batch, rewards, per_function, self.rewards.last_errors, decode = self.async_rollouts.receive(self)
-            self._decode_tokens = list(decode)
-            self._prompts_cut += batch.prompts_truncated
-            self._last_reward_errors = self._reward_errors(len(rewards))
-            return batch, rewards, per_function
-        with timer("rollout"):
-            examples = self.sampler.next_batch()
-            record_prompts(self.step + 1, self.ctx.rank, self.sampler)  # GRPO_DIST_TRAINED_PROMPTS (tests)
-            self._plan_group_sizes()
-            batch = self.rollout(examples, refresh)
-        with timer("reward"):
-            row_examples = examples if self._group_sizes is None else \
-                [e for e, g in zip(examples, self._group_sizes) for _ in range(g)]
-            rewards, per_function = self.rewards(batch.completions, batch.references,
-                                                 batch.completion_lengths.tolist(), self.cfg.max_completion_length,
-                                                 **rollout_context(row_examples, batch))
-        # before the update: a broken function stops the run (every rank runs the same rounds: same collectives)
-        errors = self._reward_errors(len(rewards))
-        if self.curriculum is not None and self.cfg.curriculum.mode == "online":  # each prompt's pass statistics
-            record_graded(self.curriculum, self.sampler, next(iter(per_function.values()), rewards),
-                          self._global_group_sizes or self.cfg.num_generations, self.ctx.device)
-        self._last_reward_errors = {k: self._last_reward_errors.get(k, 0) + v for k, v in errors.items()} \
-            if refresh is False else errors
-        return batch, rewards, per_function
+    def rollout(self, examples):
+        """Sample and grade `examples`, the data sampler's last batch, on the policy's current weights (tests)."""
+        self.source.sync_weights()
+        return self.source.rollout(examples).batch
 
-    def _reward_errors(self, n_local: int) -> dict:
-        """reward_errors/<name>: completions of this step (all ranks) each function failed on. Stops the run when a
-        function failed on all of them (reward_fail_on_all_errors): that is a broken function, not a bad model."""
-        names = self.rewards.names
-        s = gdist.all_reduce_sum_named({**{f"errors/{k}": self.rewards.last_errors.get(k, 0) for k in names},
-                                        "completions": n_local}, self.ctx.device)
-        total = int(s["completions"])
-        counts = {name: int(s[f"errors/{name}"]) for name in names}
-        for name, count in counts.items():
-            if self.cfg.reward_fail_on_all_errors and total and count == total:
-                raise RewardFunctionError(
-                    f"reward function '{name}' failed on all {total} completions of step {self.step + 1} (the first "
-                    f"failure is printed above); fix it, or set reward_fail_on_all_errors=false to train on")
-        return {f"reward_errors/{name}": count for name, count in counts.items()}
-
-    def _dynamic_sample(self, timer: Timer):
-        """DAPO dynamic sampling: rounds of prompts_per_rank prompts per rank, keeping only groups whose rewards
-        differ, until all ranks together hold prompts_per_rank x world_size of them or dynamic_sampling_max_rounds
-        rounds ran. Every rank runs the same rounds (the stop test is on all-reduced counts); the surplus of the
-        last round is trimmed evenly (advantages.dynamic_sampling_quota). A rank may end with fewer groups than
-        the others, even none."""
-        cfg, G, dev = self.cfg, self.cfg.num_generations, self.ctx.device
-        target = cfg.prompts_per_rank * self.ctx.world_size
-        kept, rounds = [], 0
-        while True:
-            batch, rewards, per_fn = self._rollout_and_grade(timer, refresh=rounds == 0)  # weights are unchanged
-            rounds += 1
-            flat = zero_advantage_groups(torch.tensor(rewards, dtype=torch.float32), G)
-            kept += [(batch, rewards, per_fn, g) for g in range(len(flat)) if not flat[g]]
-            total = int(gdist.all_reduce_sum([len(kept)], dev)[0])
-            if total >= target or rounds >= cfg.dynamic_sampling_max_rounds:
-                break
-        sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_prompts": rounds * target,
-                    "dynamic_sampling_groups": min(total, target)}
-        if total == 0:  # every group of every rank was flat: the last round, as without dynamic sampling
-            return batch, rewards, per_fn, sampling
-        counts = gdist.all_reduce_sum([len(kept) if r == self.ctx.rank else 0 for r in range(self.ctx.world_size)],
-                                      dev)
-        kept = kept[:dynamic_sampling_quota([int(c) for c in counts], target)[self.ctx.rank]]
-        rows = [(b, g * G + j) for b, _, _, g in kept for j in range(G)]
-        batch = concat_rollouts([b.rows([i]) for b, i in rows], self.tokenizer.pad_token_id) if rows else \
-            batch.rows([])
-        rewards = [r[g * G + j] for _, r, _, g in kept for j in range(G)]
-        per_function = {name: [f[name][g * G + j] for _, _, f, g in kept for j in range(G)] for name in per_fn}
-        return batch, rewards, per_function, sampling
-
-    def _plan_group_sizes(self) -> None:
-        """Group size by difficulty: the sizes of the global batch the sampler just drew, from the all-reduced
-        statistics (the same on every rank), and this rank's slice of them."""
-        c = self.cfg.curriculum
-        if self.curriculum is None or c.num_generations_min is None or c.num_generations_max is None:
-            return
-        idx = self.sampler.last_global_indices
-        self._global_group_sizes = allocate_group_sizes(
-            self.curriculum.correct[idx], self.curriculum.completions[idx], len(idx) * self.cfg.num_generations,
-            c.num_generations_min, c.num_generations_max)
-        start = self.ctx.rank * self.cfg.prompts_per_rank
-        self._group_sizes = self._global_group_sizes[start:start + self.cfg.prompts_per_rank]
-
-    def rollout(self, examples, refresh: bool = True) -> RolloutBatch:
-        """G completions of each of `examples`, the data sampler's last batch (its place keys the sampling noise);
-        with group size by difficulty, each prompt's planned number of them (its prompt repeated, one each)."""
-        cfg = self.cfg
-        if refresh:
-            self.sync_rollout_weights()
-        prompts = [render_prompt(e, cfg.data, self.tokenizer) for e in examples]
-        answers = [e.answer for e in examples]
-        n = None
-        if self._group_sizes is not None:
-            prompts = [p for p, g in zip(prompts, self._group_sizes) for _ in range(g)]
-            answers = [a for a, g in zip(answers, self._group_sizes) for _ in range(g)]
-            n = 1
-        batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, answers,
-                               self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
-                               cfg.data.max_prompt_length, self.ctx.device)
-        self._prompts_cut += batch.prompts_truncated
-        if batch.decode_row_steps is not None:
-            self._decode_tokens[0] += batch.decode_row_steps
-            self._decode_tokens[1] += int(batch.completion_mask.sum())
-        return batch
-
-    def _row_seeds(self, num_prompts: int) -> tuple[int, ...] | None:
-        """sampling_noise=per_prompt: each row's noise from (seed, global batch number, place of its prompt in the
-        global batch, completion index), so that no rank, batch or chunk changes what a prompt draws."""
-        if self.cfg.sampling_noise != "per_prompt" or self.cfg.rollout_engine == "vllm":  # vLLM: its own sampler
-            return None
-        where = self.sampler.last_prompt_indices
-        if len(where) != num_prompts:
-            raise ValueError(f"rollout of {num_prompts} prompts, but the data sampler's last batch had {len(where)}")
-        if self._group_sizes is not None:  # completion j of a prompt draws the same noise whatever its group size
-            return tuple(row_seed(self.cfg.seed, self.sampler.last_batch_number, p, j)
-                         for p, g in zip(where, self._group_sizes) for j in range(g))
-        return tuple(row_seeds(self.cfg.seed, self.sampler.last_batch_number, where, self.cfg.num_generations))
-
-    def sampling_spec(self, greedy: bool = False, n: int | None = None,
-                      row_seeds: tuple[int, ...] | None = None) -> SamplingSpec:
-        cfg = self.cfg
-        return SamplingSpec(n=n or cfg.num_generations, max_tokens=cfg.max_completion_length,
-                            eos_ids=tuple(eos_token_ids(self.hf_model, self.tokenizer)),
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
-                            row_seeds=row_seeds)
+    def sampling_spec(self, greedy: bool = False, n: int | None = None) -> SamplingSpec:
+        return sampling_spec(self.cfg, eos_token_ids(self.hf_model, self.tokenizer), greedy=greedy, n=n)
 
     def sync_rollout_weights(self) -> None:
-        """The policy's current weights into the rollout engine, streamed one FSDP unit at a time in the compute
-        dtype. Collective: every rank runs it."""
-        t0 = time.perf_counter()
-        weights = self.engine.iter_full_weights(rollout_dtype(self.cfg))
-        self.rollout_engine.sync_weights(weights)
-        if next(weights, None) is not None:  # every rank must run every unit's all-gather, and nothing is stale
-            raise RuntimeError(f"the {self.rollout_engine.name} rollout engine did not take every weight")
-        self.weight_sync_s = time.perf_counter() - t0
+        """The policy's current weights into the rollout engine. Collective: every rank runs it."""
+        self.source.sync_weights()
 
     # ------------------------------------------------------------------- advantage, select rows, log-probs, update
     def learn(self, batch: RolloutBatch, rewards: torch.Tensor, timer: Timer | None = None,
@@ -1086,6 +951,8 @@ class GRPOTrainer:
     def _step_metrics(self, batch, rewards, correct, flat_groups, rows, sums, grad_norms) -> dict:
         """The step's metrics over all ranks (one all-reduce of sums by name, one of the longest completion)."""
         dev = self.ctx.device
+        graded = getattr(self, "_graded", None)  # learn() without a source (tests): nothing was sampled here
+        decode, prompts_cut = (graded.decode, graded.prompts_cut) if graded is not None else ((0, 0), 0)
         lengths = batch.completion_lengths.double().cpu()
         row_tokens = (batch.prompt_mask.sum(1).double().cpu() + lengths)[rows]  # s of each trained row (mfu)
         s = gdist.all_reduce_sum_named({
@@ -1097,8 +964,8 @@ class GRPOTrainer:
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
             "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
             "attention_pairs": float((row_tokens * (row_tokens + 1)).sum()),
-            "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
-            "prompts_truncated": float(self._prompts_cut),
+            "decode_processed": float(decode[0]), "decode_useful": float(decode[1]),
+            "prompts_truncated": float(prompts_cut),
             **{k: sums[k] for k in ("loss", "pg", "kl", "clipped", "ratio", "entropy", "dual_clipped")},
             **{f"tokens/{k}_{name}": getattr(t, k) for name, t in self._tokens.items()
                for k in ("processed", "useful", "shared")}}, dev)
@@ -1164,11 +1031,11 @@ class GRPOTrainer:
         return {f"reward/{name}": float(s[f"sum/{name}"] / max(float(s[f"rows/{name}"]), 1.0))
                 for name in per_function}
 
-    def _timing_metrics(self, timer: Timer, t0: float, completion_tokens: float) -> dict:
+    def _timing_metrics(self, timer: Timer, t0: float, completion_tokens: float, weight_sync_s: float) -> dict:
         """step_time_s, time_<stage>_s, this rank's sampling throughput and the weight sync's part of the rollout."""
         return {"step_time_s": time.perf_counter() - t0, **{f"time_{k}_s": v for k, v in timer.times.items()},
                 "completion_tokens_per_s": completion_tokens / max(timer.times["rollout"], 1e-9),
-                "time_weight_sync_s": self.weight_sync_s}  # part of time_rollout_s
+                "time_weight_sync_s": weight_sync_s}  # part of time_rollout_s
 
     def _flops_metrics(self, metrics: dict, timer: Timer, attention_pairs: float) -> dict:
         """mfu, mfu_update, mfu_logprobs, tokens_per_s_update, tokens_per_s_logprobs, model_flops (flops.py)."""
@@ -1199,7 +1066,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         out = run_tier(self.rollout_engine, self.tokenizer, self.eval_examples, self.cfg, self.ctx, self.rewards,
                        tier, self.step, say=self.logger.write, sample_out=sample if self.ctx.is_main else None)
-        self.rollout_engine.release()  # as after a rollout: the memory is training's until the next sync
+        self.source.release()  # as after a rollout: the memory is training's until the next sync
         if sample:
             self.logger.write(format_sample(self.step, *sample[0]))
         what = "full eval" if tier.name == "full" else "eval"

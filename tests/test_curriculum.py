@@ -303,7 +303,7 @@ def _sized_on_ranks(rank, world, tmp_path):
     out = []
     for _ in range(4):
         m = tr.train_step()
-        out.append((list(tr._global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
+        out.append((list(tr._graded.global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
                                                                       "zero_advantage_fraction", "grad_norm")}))
         # this rank's advantages, group by group of its own size: (r - mean) / (unbiased std + eps)
         want, at = [], 0

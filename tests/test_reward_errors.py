@@ -69,7 +69,8 @@ def test_all_failing_function_stops_the_run(tmp_path):
 def _two_ranks(rank, world, out):
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer, RewardFunctionError
+    from grpo_dist.batch_source import RewardFunctionError
+    from grpo_dist.trainer import GRPOTrainer
     # rank 0's completions fail, rank 1's do not: counted globally, the run goes on
     cfg = load_config("configs/smoke_cpu.yaml", [f"output_dir={out}", "reward_workers=0", "progress_bar=false",
                                                  "rewards=[{function: 'reward_fns:broken_on_rank0'}]"])
