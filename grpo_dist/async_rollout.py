@@ -416,27 +416,61 @@ def accepted(lag: int, max_staleness: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- rollout side
-def _rollout_side(cfg, ctx: gdist.DistContext):
-    """(tokenizer, rollout engine, reward functions, EOS ids) of a rollout rank: the replica a colocated rank
-    builds (the policy copied in the compute dtype), its engine, and the graders."""
+def replica_engine(cfg, ctx: gdist.DistContext, tokenizer):
+    """(rollout engine, EOS ids, LoRA merger or None) on a plain replica of the configured model, in the compute
+    dtype: what a rollout rank samples with, and what a trainer rank evaluates with when rollout_ranks > 0 (it
+    builds no replica for sampling). Its weights are the policy's once synced. With LoRA the merger turns pushed
+    adapters into the merged weights (AdapterMerge)."""
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer, reward_dtype
-    from grpo_dist.rewards import RewardComputer
+    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model
     from grpo_dist.rollout import eos_token_ids
     from grpo_dist.rollout_engines import build_rollout_engine, tied_aliases
 
-    tokenizer = load_tokenizer(cfg.model)
     policy = load_model(cfg.model, tokenizer)
     replica = copy_in_dtype(policy, MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)).eval()
     replica.to(ctx.device).requires_grad_(False)
     eos = tuple(eos_token_ids(policy, tokenizer))
     tied = tied_aliases(policy)
+    merge = AdapterMerge(cfg, policy) if cfg.lora.r else None
+    if merge is not None:  # an adapted tied head gets a merged weight of its own, as on a colocated replica
+        from grpo_dist import lora
+        lora.untie(replica, lora.adapted_tied_weights(policy))
     del policy
     prepare_replica(replica)
-    engine = build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True)
+    return build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True), eos, merge
+
+
+class AdapterMerge:
+    """LoRA with rollout ranks: the trainers push the adapters only (r x (d_in + d_out) per adapted layer, not the
+    model), and the rollout rank merges them into its own copy of the frozen base weights with the function the
+    trainer's engines merge with (lora.merged), so the replica gets the weights a colocated sync gives, bitwise."""
+
+    def __init__(self, cfg, policy):
+        from grpo_dist import lora
+        from grpo_dist.engines import clean_name
+        from grpo_dist.rollout_engines import rollout_dtype
+        lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)  # the adapted model's names (base_layer, lora_A/B)
+        self.named = {clean_name(n): p.detach() for n, p in policy.named_parameters(remove_duplicate=False)}
+        self.scaling, self.dtype = lora.scaling(cfg.lora), rollout_dtype(cfg)
+
+    def __call__(self, adapters):
+        """The merged weights (plain names, in the rollout dtype) from an iterator of pushed adapter tensors."""
+        from grpo_dist.lora import merged
+        self.named.update(dict(adapters))
+        for name, t in merged(self.named, self.scaling).items():
+            yield name, t if self.dtype is None else t.to(self.dtype)
+
+
+def _rollout_side(cfg, ctx: gdist.DistContext):
+    """(tokenizer, rollout engine, reward functions, EOS ids, LoRA merger) of a rollout rank."""
+    from grpo_dist.models import load_tokenizer, reward_dtype
+    from grpo_dist.rewards import RewardComputer
+
+    tokenizer = load_tokenizer(cfg.model)
+    engine, eos, merge = replica_engine(cfg, ctx, tokenizer)
     rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                              device=ctx.device, dtype=reward_dtype(cfg), conversational=cfg.data.use_chat_template)
-    return tokenizer, engine, rewards, eos
+    return tokenizer, engine, rewards, eos, merge
 
 
 def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
@@ -444,7 +478,7 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     until the stop header. Returns the exit code."""
     from grpo_dist import faults
 
-    tokenizer, engine, rewards, eos = _rollout_side(cfg, ctx)
+    tokenizer, engine, rewards, eos, merge = _rollout_side(cfg, ctx)
     served = roles_.served()
     manifest = recv_obj(0, roles_, "the weight manifest")
     version: int | None = None
@@ -462,7 +496,8 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                     return PREEMPTED_EXIT_CODE if stop.requested else 0
                 if header != version:  # a new version: switch weights between generation batches
                     watchdog.set_phase("weight-sync", j)
-                    engine.sync_weights(_received_weights(manifest, roles_))
+                    weights = _received_weights(manifest, roles_)
+                    engine.sync_weights(merge(weights) if merge is not None else weights)
                     version = header
                 for t in served:
                     msg = recv_obj(t, roles_, f"the prompts of batch {j}")

@@ -127,6 +127,17 @@ class _Null:
         return False
 
 
+def push_weights(engine, weights, cfg) -> float:
+    """The policy's current weights (weights(dtype): Engine.iter_full_weights, a collective) into a local rollout
+    engine, streamed one FSDP unit at a time in the compute dtype. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    it = weights(rollout_dtype(cfg))
+    engine.sync_weights(it)
+    if next(it, None) is not None:  # every rank must run every unit's all-gather, and nothing is stale
+        raise RuntimeError(f"the {engine.name} rollout engine did not take every weight")
+    return time.perf_counter() - t0
+
+
 class ColocatedSource:
     """This rank samples and grades its own prompts (rollout_ranks = 0): the data sampler's next batch, the policy's
     weights into the rollout engine once per step, sample_and_grade, and with dynamic_sampling more rounds on the
@@ -143,12 +154,7 @@ class ColocatedSource:
     def sync_weights(self) -> None:
         """The policy's current weights into the rollout engine, streamed one FSDP unit at a time in the compute
         dtype. Collective: every rank runs it."""
-        t0 = time.perf_counter()
-        weights = self.weights(rollout_dtype(self.cfg))
-        self.engine.sync_weights(weights)
-        if next(weights, None) is not None:  # every rank must run every unit's all-gather, and nothing is stale
-            raise RuntimeError(f"the {self.engine.name} rollout engine did not take every weight")
-        self.weight_sync_s = time.perf_counter() - t0
+        self.weight_sync_s = push_weights(self.engine, self.weights, self.cfg)
 
     def next_batch(self, step: int, timer=None) -> StepBatch:
         """Rollout and grade (rounds of them with dynamic sampling) of step `step` (0-based). Collective."""
@@ -211,8 +217,23 @@ class RolloutRankSource:
     of async_rollout.AsyncRollouts (prompts and weights go out ahead, max_staleness versions at most). With
     dynamic_sampling a step takes more rounds from the pipeline, each replaced by a new batch at once."""
 
-    def __init__(self, cfg, ctx, rollouts, reward_names: list[str], pad_id: int):
+    def __init__(self, cfg, ctx, rollouts, reward_names: list[str], pad_id: int, weights, local_engine):
+        """weights(dtype): the policy's full weights (for the local engine); local_engine(): builds the engine this
+        rank evaluates with (eval_steps), on first use: the rollout ranks' engines are busy sampling ahead."""
         self.cfg, self.ctx, self.rollouts, self.names, self.pad_id = cfg, ctx, rollouts, reward_names, pad_id
+        self.weights, self._build, self._engine = weights, local_engine, None
+        self.weight_sync_s = 0.0
+
+    @property
+    def engine(self):
+        """This rank's own rollout engine, for evaluation only (a replica: memory spent only with eval_steps)."""
+        if self._engine is None:
+            self._engine = self._build()
+        return self._engine
+
+    def sync_weights(self) -> None:
+        """The policy's weights into this rank's evaluation engine. Collective (trainer ranks)."""
+        self.weight_sync_s = push_weights(self.engine, self.weights, self.cfg)
 
     def start(self, step: int) -> None:
         self.rollouts.start(step)
@@ -233,13 +254,10 @@ class RolloutRankSource:
             g, sampling = one(True), {}
         return rounds.step_batch(g, sampling)
 
-    def after_step(self, step: int) -> dict:
-        """After the optimizer step: the new version out with the next batch's prompts; the async/* metrics."""
-        self.rollouts.after_step(step)
-        return {}
-
     def release(self) -> None:
-        pass
+        if self._engine is not None:
+            self._engine.release()
 
     def close(self) -> None:
-        pass
+        if self._engine is not None:
+            self._engine.close()

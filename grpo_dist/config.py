@@ -440,20 +440,23 @@ class GRPOConfig:
                        f"distributed.timeout_s = {self.distributed.timeout_s:g}: with rollout_ranks > 0 a trainer "
                        f"waits at most distributed.timeout_s for a graded batch, and one hung completion would "
                        f"outlast that; lower reward_timeout_s or raise distributed.timeout_s")
-        unsupported = [("distributed.backend", self.distributed.backend, self.distributed.backend == "deepspeed"),
-                       ("rollout_engine", self.rollout_engine, self.rollout_engine == "vllm"),
-                       ("dynamic_sampling", self.dynamic_sampling, self.dynamic_sampling),
-                       ("sampling_noise", self.sampling_noise, self.sampling_noise != "per_prompt"),
-                       ("eval_steps", self.eval_steps, bool(self.eval_steps)),
-                       ("full_eval_steps", self.full_eval_steps, bool(self.full_eval_steps)),
-                       ("lora.r", self.lora.r, bool(self.lora.r)),
-                       ("sft_coef", self.sft_coef, bool(self.sft_coef)),
-                       # online statistics come from graded groups, which the rollout ranks do not send back yet
-                       ("curriculum.mode", self.curriculum.mode, self.curriculum.mode == "online")]
-        for key, value, bad_here in unsupported:
+        c = self.curriculum
+        unsupported = [  # each with why (docs/async.md)
+            ("distributed.backend", self.distributed.backend, self.distributed.backend == "deepspeed",
+             "the weight push streams FSDP units (Engine.iter_full_weights over the trainer group); ZeRO-3's "
+             "gather is not wired to the sync group"),
+            ("rollout_engine", self.rollout_engine, self.rollout_engine == "vllm",
+             "a rollout rank builds a lean / hf replica; vLLM there (its own venv, .ci/vllm_env.sh) is not built"),
+            ("sampling_noise", self.sampling_noise, self.sampling_noise != "per_prompt",
+             "a rollout rank must draw what the trainer would: only per-prompt noise is the same on any rank"),
+            ("curriculum.mode", c.mode, c.mode == "online",
+             "online statistics would update k batches after the prompts they choose were sent"),
+            ("curriculum.num_generations_min", c.num_generations_min,
+             c.num_generations_min is not None or c.num_generations_max is not None,
+             "group sizes are planned per round on the trainers and not sent with the prompts")]
+        for key, value, bad_here, why in unsupported:
             if bad_here:
-                bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0 yet "
-                           f"(docs/async.md)")
+                bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0: {why}")
         return bad
 
     def problems(self) -> list[str]:

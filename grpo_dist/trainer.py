@@ -30,7 +30,7 @@ from grpo_dist import flops
 from grpo_dist import lora
 from grpo_dist import nonfinite
 from grpo_dist import watchdog
-from grpo_dist.async_rollout import AsyncRollouts, RolloutsElsewhere
+from grpo_dist.async_rollout import AsyncRollouts, RolloutsElsewhere, replica_engine
 from grpo_dist.async_save import BackgroundSaver
 from grpo_dist.batch_source import ColocatedSource, RolloutRankSource, StepBatch
 from grpo_dist.completions import CompletionLog, format_sample
@@ -508,7 +508,7 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
-        self.rollout_engine.close()
+        self.source.close()
 
     # ------------------------------------------------------------------------------------------------ the step
     def _batch_source(self):
@@ -518,8 +518,12 @@ class GRPOTrainer:
         if not cfg.rollout_ranks:
             return ColocatedSource(cfg, ctx, self.sampler, self.curriculum, self.rollout_engine, self.tokenizer,
                                    self.rewards, self._eos_ids(), self.engine.iter_full_weights)
-        rollouts = AsyncRollouts(cfg, ctx, self.sampler, self.engine.iter_full_weights, self.request_stop)
-        return RolloutRankSource(cfg, ctx, rollouts, self.rewards.names, self.tokenizer.pad_token_id)
+        # LoRA: the adapters only, merged on the rollout ranks (async_rollout.AdapterMerge)
+        push = (lambda dtype: self.engine.iter_adapter_weights()) if cfg.lora.r else self.engine.iter_full_weights
+        rollouts = AsyncRollouts(cfg, ctx, self.sampler, push, self.request_stop)
+        return RolloutRankSource(cfg, ctx, rollouts, self.rewards.names, self.tokenizer.pad_token_id,
+                                 self.engine.iter_full_weights,
+                                 lambda: replica_engine(cfg, ctx, self.tokenizer)[0])
 
     def _eos_ids(self) -> tuple[int, ...]:
         return tuple(eos_token_ids(self.hf_model, self.tokenizer))
@@ -635,7 +639,7 @@ class GRPOTrainer:
         self.sync_rollout_weights()
         sample: list = []  # rank 0's first evaluation completion, shown on the console
         t0 = time.perf_counter()
-        out = run_tier(self.rollout_engine, self.tokenizer, self.eval_examples, self.cfg, self.ctx, self.rewards,
+        out = run_tier(self.source.engine, self.tokenizer, self.eval_examples, self.cfg, self.ctx, self.rewards,
                        tier, self.step, say=self.logger.write, sample_out=sample if self.ctx.is_main else None)
         self.source.release()  # as after a rollout: the memory is training's until the next sync
         if sample:
