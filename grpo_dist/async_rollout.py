@@ -21,7 +21,7 @@ broadcasts on the sync group; -1 stops):
     for j in 0 .. min(k, N-1):                            loop:
         [t = 0] H(version 0, weights once) ------------->     recv H; -1: stop; new version: recv the weights
         send prompts of batch j ------------------------->     recv prompts of batch j (per served trainer)
-    for s in 0 .. N-1:                                         generate on its weights, grade (reward machinery)
+    for s in 0 .. N-1:                                         sample_and_grade on its weights (graded.py)
         recv completions of batch s  <--------------------     send completions + version + behaviour log-probs
         drop them if s - version > k (counted)
         learn (one optimizer step): version s + 1
@@ -31,9 +31,15 @@ broadcasts on the sync group; -1 stops):
     [t = 0] H(-1) ------------------------------------->     stop
 
 Batch j is sampled with version max(0, j - k) and trains at step j: the lag is min(j, k) <= k, and no prompt is
-sampled only to be dropped. With k = 0 this is the colocated order exactly (sync, sample, grade, learn), and with
+sampled only to be dropped. With dynamic_sampling a step may take more rounds: each extra round is the next batch
+of the pipeline, and its replacement goes out at once on the same version (refill): at most k + 1 batches are ever
+in flight and every step takes at least one, so a batch sampled with version v still trains by step v + k.
+With k = 0 this is the colocated order exactly (sync, sample, grade, learn), and with
 the per-prompt sampling noise (sampling_noise.py) a rollout rank draws what the trainer itself would have drawn:
-the same weights and optimizer state, bitwise. Every blocking wait has distributed.timeout_s; a wait that fails
+the same weights and optimizer state, bitwise: serve runs graded.sample_and_grade, the function a colocated rank
+runs, and reads nothing of the trainer (AsyncRollouts is given the sampler, the weights and the stop callback).
+With LoRA the weights pushed are the adapters only, merged on the rollout rank (AdapterMerge).
+Every blocking wait has distributed.timeout_s; a wait that fails
 raises PeerLost, one line naming this rank, the peer and what was awaited.
 
 Failures (docs/async.md): a rank that fails with an exception sends, best effort, an Abort in place of the next

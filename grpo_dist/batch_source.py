@@ -205,6 +205,19 @@ class ColocatedSource:
         start = self.ctx.rank * self.cfg.prompts_per_rank
         return everyone[start:start + self.cfg.prompts_per_rank], everyone
 
+    def start(self, step: int) -> None:
+        """Before the first step: nothing goes out ahead."""
+
+    def after_step(self, step: int, step_time_s: float) -> dict:
+        """After the optimizer step: nothing to send, no metrics of its own."""
+        return {}
+
+    def finish(self) -> None:
+        """The run ended normally: nothing in flight."""
+
+    def abort(self, error: BaseException) -> None:
+        """The run fails: no peer to tell."""
+
     def release(self) -> None:
         self.engine.release()
 
@@ -236,7 +249,21 @@ class RolloutRankSource:
         self.weight_sync_s = push_weights(self.engine, self.weights, self.cfg)
 
     def start(self, step: int) -> None:
+        """The first max_staleness + 1 batches go out."""
         self.rollouts.start(step)
+
+    def after_step(self, step: int, step_time_s: float) -> dict:
+        """The new version's weights out with the next batch's prompts; the async/* metrics (trainer ranks)."""
+        self.rollouts.after_step(step)
+        return self.rollouts.metrics(step_time_s)
+
+    def finish(self) -> None:
+        """Take what is still in flight, then stop the rollout ranks (not after an error: the peers may be gone)."""
+        self.rollouts.close()
+
+    def abort(self, error: BaseException) -> None:
+        """The rollout ranks stop now, naming this failure (best effort)."""
+        self.rollouts.abort(error)
 
     def next_batch(self, step: int, timer=None) -> StepBatch:
         """The graded batch(es) of step `step`, received from this rank's rollout rank. Collective (trainers)."""

@@ -380,8 +380,7 @@ class GRPOTrainer:
             from grpo_dist.run_table import run_table
             self.logger.write("\n".join(run_table(cfg, self.ctx.world_size, self.ref_model is not None)))
         try:
-            if isinstance(self.source, RolloutRankSource):  # the first max_staleness + 1 batches go out
-                self.source.start(self.step)
+            self.source.start(self.step)  # rollout ranks: the first max_staleness + 1 batches go out
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 self._evaluate_if_due(metrics)
@@ -410,11 +409,9 @@ class GRPOTrainer:
                 if exit_code:
                     break
             self._save_times(wait=True)  # the save in flight is in place (or its error raised) before the exit
-            if isinstance(self.source, RolloutRankSource):  # not after an error: the peers may be gone
-                self.source.rollouts.close()
+            self.source.finish()  # not after an error: the peers may be gone
         except BaseException as e:
-            if isinstance(self.source, RolloutRankSource):  # the rollout ranks stop now, naming this failure
-                self.source.rollouts.abort(e)
+            self.source.abort(e)  # rollout ranks: they stop now, naming this failure
             self._finish_save_after(e)
             raise
         finally:
@@ -550,9 +547,7 @@ class GRPOTrainer:
             if graded.global_group_sizes is not None:  # the last round's plan, the same on every rank
                 metrics.update({"curriculum/group_size_min": min(graded.global_group_sizes),
                                 "curriculum/group_size_max": max(graded.global_group_sizes)})
-        if isinstance(self.source, RolloutRankSource):  # weights of the new version out, the next batch's prompts
-            self.source.rollouts.after_step(self.step)
-            metrics.update(self.source.rollouts.metrics(time.perf_counter() - t0))
+        metrics.update(self.source.after_step(self.step, time.perf_counter() - t0))  # async: the next prompts out
         metrics.update(timing_metrics(timer.times, t0, state.completion_tokens, graded.weight_sync_s))
         metrics.update(flops_metrics(self.cfg, self._flops_shape, self._peak_flops, metrics, timer.times,
                                      state.attention_pairs))
