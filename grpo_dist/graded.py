@@ -72,8 +72,14 @@ def sample_and_grade(cfg, engine, tokenizer, rewards, examples: list, *, batch_n
     with stage("rollout"):
         batch = generate_batch(engine, tokenizer, prompts, answers, spec, cfg.data.max_prompt_length, device)
     with stage("reward"):
-        total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
-                                      cfg.max_completion_length, **rollout_context(row_examples, batch))
+        return grade(cfg, rewards, row_examples, batch)
+
+
+def grade(cfg, rewards, row_examples: list, batch: RolloutBatch) -> Graded:
+    """Grade a rollout batch whose rows are each of row_examples' completions in turn (also for benches and tests
+    that generate their own way)."""
+    total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
+                                  cfg.max_completion_length, **rollout_context(row_examples, batch))
     decode = (batch.decode_row_steps, int(batch.completion_mask.sum())) if batch.decode_row_steps is not None \
         else (0, 0)
     return Graded(batch, list(total), per_function, dict(rewards.last_errors), decode)
