@@ -508,7 +508,9 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                 for t in served:
                     msg = recv_obj(t, roles_, f"the prompts of batch {j}")
                     idle += time.perf_counter() - t0
-                    if t in stop.told:  # that trainer stops after the step it is on: it only drains what is in flight
+                    # that trainer stops after the step it is on: it only drains what is in flight (with dynamic
+                    # sampling that step may still take rounds: they are answered in full)
+                    if t in stop.told and not cfg.dynamic_sampling:
                         send_obj(dict(batch=msg["batch"], drained=True), t, roles_,
                                  f"the drained batch {msg['batch']}")
                         t0 = time.perf_counter()
