@@ -172,7 +172,7 @@ def run_steps(tr, upto: int, run: str, save_at: int | None = None) -> list[dict]
         m = tr.train_step()
         if tr.cfg.eval_steps and tr.step % tr.cfg.eval_steps == 0:
             m.update(tr.evaluate())
-        train_tokens = (m["completion_length_mean"] + m["prompt_length_mean"]) * len(tr.last_advantages)
+        train_tokens = (m["completion_length_mean"] + m["prompt_length_mean"]) * len(tr.last_step.advantages)
         row = dict(stage="step", run=run, step=tr.step, step_time_s=round(m["step_time_s"], 3),
                    rollout_s=round(m["time_rollout_s"], 3), logprobs_s=round(m["time_logprobs_s"], 3),
                    update_s=round(m["time_update_s"], 3),

@@ -71,7 +71,7 @@ def main():
         sync, gen, toks = [], [], []
         for _ in range(args.reps):
             tr.sync_rollout_weights()
-            sync.append(tr.weight_sync_s)
+            sync.append(tr.source.weight_sync_s)
             t = time.perf_counter()
             out = tr.rollout_engine.generate(ids, spec)
             gen.append(time.perf_counter() - t)

@@ -89,30 +89,30 @@ def apply_levers(args):
 def apply_rollout_levers(args, trainer):
     """Exact completion length (min = max tokens) for every rollout engine; --hf-generate: transformers' generate
     on the replica instead of the rollout engine."""
-    spec = trainer.sampling_spec
-    if args.exact_length:
+    from grpo_dist import graded
+    spec = graded.sampling_spec
+    if args.exact_length:  # what every round samples with (graded.sample_and_grade reads it from its module)
         def exact(*a, **k):
             s = spec(*a, **k)
             s.min_tokens = s.max_tokens
             return s
-        trainer.sampling_spec = exact
+        graded.sampling_spec = exact
     if args.hf_generate:
         from grpo_dist.data import render_prompt
         from grpo_dist.rollout import generate_rollouts
         cfg = trainer.cfg
 
-        def rollout(examples, refresh=True):
-            if refresh:
-                trainer.sync_rollout_weights()
+        def rollout(examples, timer=None):  # the source synced the replica before the step's first round
             prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
-            return generate_rollouts(
+            batch = generate_rollouts(
                 trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                 max_prompt_length=cfg.data.max_prompt_length, generation_batch_size=cfg.generation_batch_size,
                 use_hf_generate=True,
                 min_completion_length=cfg.max_completion_length if args.exact_length else 0)
-        trainer.rollout = rollout
+            return graded.grade(cfg, trainer.rewards, examples, batch)
+        trainer.source.rollout = rollout
 
 
 def main(argv=None):

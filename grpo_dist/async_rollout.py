@@ -21,7 +21,7 @@ broadcasts on the sync group; -1 stops):
     for j in 0 .. min(k, N-1):                            loop:
         [t = 0] H(version 0, weights once) ------------->     recv H; -1: stop; new version: recv the weights
         send prompts of batch j ------------------------->     recv prompts of batch j (per served trainer)
-    for s in 0 .. N-1:                                         generate on its weights, grade (reward machinery)
+    for s in 0 .. N-1:                                         sample_and_grade on its weights (graded.py)
         recv completions of batch s  <--------------------     send completions + version + behaviour log-probs
         drop them if s - version > k (counted)
         learn (one optimizer step): version s + 1
@@ -31,9 +31,15 @@ broadcasts on the sync group; -1 stops):
     [t = 0] H(-1) ------------------------------------->     stop
 
 Batch j is sampled with version max(0, j - k) and trains at step j: the lag is min(j, k) <= k, and no prompt is
-sampled only to be dropped. With k = 0 this is the colocated order exactly (sync, sample, grade, learn), and with
+sampled only to be dropped. With dynamic_sampling a step may take more rounds: each extra round is the next batch
+of the pipeline, and its replacement goes out at once on the same version (refill): at most k + 1 batches are ever
+in flight and every step takes at least one, so a batch sampled with version v still trains by step v + k.
+With k = 0 this is the colocated order exactly (sync, sample, grade, learn), and with
 the per-prompt sampling noise (sampling_noise.py) a rollout rank draws what the trainer itself would have drawn:
-the same weights and optimizer state, bitwise. Every blocking wait has distributed.timeout_s; a wait that fails
+the same weights and optimizer state, bitwise: serve runs graded.sample_and_grade, the function a colocated rank
+runs, and reads nothing of the trainer (AsyncRollouts is given the sampler, the weights and the stop callback).
+With LoRA the weights pushed are the adapters only, merged on the rollout rank (AdapterMerge).
+Every blocking wait has distributed.timeout_s; a wait that fails
 raises PeerLost, one line naming this rank, the peer and what was awaited.
 
 Failures (docs/async.md): a rank that fails with an exception sends, best effort, an Abort in place of the next
@@ -53,8 +59,10 @@ some of them before are in no checkpoint), then as above. The rollout ranks keep
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import functools
 import os
 import pickle
 import time
@@ -67,6 +75,7 @@ import torch.distributed as dist
 from grpo_dist import distributed as gdist
 from grpo_dist import watchdog
 from grpo_dist.config import ConfigError
+from grpo_dist.graded import Graded, sample_and_grade
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.rollout_engines import RolloutEngine
 
@@ -230,17 +239,21 @@ def _broadcast(t: torch.Tensor, roles_: Roles, what: str) -> None:
 
 # --------------------------------------------------------------------------------------------- trainer side
 class AsyncRollouts:
-    """The trainer's end: sends prompt batches and weights, receives graded completions (module docstring)."""
+    """The trainer's end: sends prompt batches and weights, receives graded completions (module docstring). It
+    reads nothing of the trainer: the data sampler, the policy's weights and the stop request are passed in."""
 
-    def __init__(self, cfg, ctx: gdist.DistContext):
+    def __init__(self, cfg, ctx: gdist.DistContext, sampler, weights, request_stop):
+        """sampler: the trainer's PromptSampler (its cursor advances as batches come back); weights(dtype): an
+        iterator of the policy's full weights (Engine.iter_full_weights, a collective of the trainer ranks);
+        request_stop(): called when this rank's rollout rank was asked to stop."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles()
+        self.sampler, self.weights, self.request_stop = sampler, weights, request_stop
         self.k = cfg.max_staleness
         self.version = 0          # the trainer's policy version: optimizer steps taken
         self.sent_version: int | None = None  # the last version broadcast (every trainer tracks it)
         self.manifest: list[tuple[str, tuple, torch.dtype]] | None = None
-        self.next_batch = 0       # the batch (step) whose prompts go out next
-        self.received = 0         # batches whose completions came back
-        self.pending: dict[int, object] = {}
+        self.next_batch = 0       # the batch whose prompts go out next (one per round: without dynamic sampling
+        self.received = 0         # the batch number is the step's); batches whose completions came back
         self.ahead: Any = None    # the PromptSampler the prompts go out from (start)
         self.in_flight: dict[int, tuple[int, list[int]]] = {}  # batch -> (global batch number, its examples)
         self.stats: dict[str, Any] = dict(lags=[], dropped=0, sync_s=0.0, sync_bytes=0, wait_s=0.0,
@@ -252,28 +265,41 @@ class AsyncRollouts:
     def peer(self) -> int:
         return self.roles.rollout_of(self.ctx.rank)
 
-    def start(self, trainer) -> None:
+    def start(self, step: int) -> None:
         """The first k + 1 batches, all sampled with the loaded policy (version 0, or the checkpoint's step after
         a resume: the batches in flight when the job died are regenerated with the resumed weights)."""
-        self.version = trainer.step
-        self.next_batch = self.received = trainer.step
+        self.version = step
+        self.next_batch = self.received = step
         # Two cursors over one prompt order: the prompts go out from a copy that runs up to k + 1 batches ahead;
-        # trainer.sampler advances only when a batch's completions come back (receive), so a checkpoint's cursor
-        # is that of the batches trained and a resume regenerates the ones in flight, neither lost nor repeated.
-        self.ahead = copy.copy(trainer.sampler)
+        # the trainer's sampler advances only when a batch's completions come back (receive), so a checkpoint's
+        # cursor is that of the batches trained and a resume regenerates the ones in flight, neither lost nor
+        # repeated.
+        self.ahead = copy.copy(self.sampler)
         self.started = True
-        while self.next_batch <= trainer.step + self.k and self.next_batch < self.cfg.max_steps:
-            self._send_batch(trainer)
+        while self._wanted(step):
+            self._send_batch()
 
-    def after_step(self, trainer) -> None:
-        """After the optimizer step of step s: version s + 1, and the prompts of batch s + k + 1."""
-        self.version = trainer.step
-        if self.next_batch < self.cfg.max_steps:
-            self._send_batch(trainer)
+    def after_step(self, step: int) -> None:
+        """After the optimizer step of step s (step = s + 1 steps taken): version s + 1, and the prompts of the next
+        batch when one is still needed."""
+        self.version = step
+        if self._wanted(step):
+            self._send_batch()
 
-    def _send_batch(self, trainer) -> None:
+    def refill(self, step: int) -> None:
+        """Dynamic sampling takes one more round in step `step`: a batch goes out on the same weights first (at
+        max_staleness 0 nothing else is in flight)."""
+        if self._wanted(step):
+            self._send_batch()
+
+    def _wanted(self, step: int) -> bool:
+        """Whether another batch goes out now: at most k + 1 in flight (so a batch sampled with version v trains by
+        step v + k: every step takes at least one), and no more than the max_steps - step steps left need."""
+        return self.next_batch - self.received < min(self.k + 1, self.cfg.max_steps - step)
+
+    def _send_batch(self) -> None:
         from grpo_dist import faults
-        self._sync_weights(trainer, self.version)
+        self._sync_weights(self.version)
         examples = self.ahead.next_batch()  # the data cursor stays with the trainers
         message = dict(batch=self.next_batch, batch_number=self.ahead.last_batch_number,
                        indices=list(self.ahead.last_prompt_indices), examples=examples)
@@ -284,16 +310,15 @@ class AsyncRollouts:
             flush(self.roles)
             faults.inject("kill_sent", self.next_batch, self.ctx.rank)
 
-    def _sync_weights(self, trainer, version: int) -> None:
+    def _sync_weights(self, version: int) -> None:
         """Header (version) on the sync group, then the weights when they are new. Every trainer rank runs
-        iter_full_weights (a collective of the trainer group under FSDP); rank 0 broadcasts."""
+        weights() (a collective of the trainer group under FSDP); rank 0 broadcasts."""
         from grpo_dist.rollout_engines import rollout_dtype
         main = self.ctx.rank == 0
         t0 = time.perf_counter()
         new = version != self.sent_version
         if new and self.manifest is None:  # once: names, shapes and dtypes, so the rollout ranks can receive
-            self.manifest = [(n, tuple(t.shape), t.dtype) for n, t in
-                             trainer.engine.iter_full_weights(rollout_dtype(self.cfg))]
+            self.manifest = [(n, tuple(t.shape), t.dtype) for n, t in self.weights(rollout_dtype(self.cfg))]
             if main:
                 for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
                     send_obj(self.manifest, dst, self.roles, "the weight manifest")
@@ -301,7 +326,7 @@ class AsyncRollouts:
             self._header(version)
         if new:
             nbytes = 0
-            for _, t in trainer.engine.iter_full_weights(rollout_dtype(self.cfg)):
+            for _, t in self.weights(rollout_dtype(self.cfg)):
                 if main:
                     t = t.contiguous()
                     _broadcast(t, self.roles, "the weight broadcast")
@@ -310,44 +335,43 @@ class AsyncRollouts:
             self.stats["sync_bytes"] += nbytes
         self.stats["sync_s"] += time.perf_counter() - t0
 
-    def receive(self, trainer):
-        """(batch, rewards, per_function, reward errors) of the current step, sampled and graded on the rollout
-        rank; a batch older than max_staleness is dropped (counted) and this rank trains no row this step."""
-        step = trainer.step
+    def receive(self, step: int) -> Graded:
+        """The next graded batch, for step `step`, sampled and graded on the rollout rank; one older than
+        max_staleness is dropped (counted) and this rank trains no row of it."""
+        batch_id = self.received
         t0 = time.perf_counter()
-        msg = recv_obj(self.peer, self.roles, f"the completions of batch {step}")
+        msg = recv_obj(self.peer, self.roles, f"the completions of batch {batch_id}")
         self.stats["wait_s"] += time.perf_counter() - t0
         self.received += 1
-        if msg["batch"] != step:
-            raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {step}, got batch "
+        if msg["batch"] != batch_id:
+            raise RuntimeError(f"rank {self.ctx.rank}: expected the completions of batch {batch_id}, got batch "
                                f"{msg['batch']} (protocol out of order)")
-        self._advance_cursor(trainer, step)
+        self._advance_cursor(batch_id, step)
         if msg.get("stop_requested") and not self.peer_stopping:  # the rollout rank was asked to stop
             self.peer_stopping = True
             print(f"[grpo_dist] rank {self.ctx.rank} (trainer): rank {self.peer} (rollout) was asked to stop: "
                   f"finishing step {step + 1}, then writing a checkpoint and exiting with code 75", flush=True)
-            trainer.request_stop()
+            self.request_stop()
         self.stats["rollout_idle"], self.stats["rollout_busy"] = msg["idle_s"], msg["busy_s"]
-        batch, rewards, per_function = msg["rollout"], msg["rewards"], msg["per_function"]
+        graded: Graded = msg["graded"]
         lag = step - msg["version"]
         self.stats["lags"].append(lag)
         if not accepted(lag, self.k):
-            self.stats["dropped"] += len(rewards)
-            keep: list[int] = []
-            batch = batch.rows(keep)
-            rewards, per_function = [], {name: [] for name in per_function}
-        return batch, rewards, per_function, msg["errors"], msg["decode"]
+            self.stats["dropped"] += len(graded.rewards)
+            graded = Graded(graded.batch.rows([]), [], {name: [] for name in graded.per_function}, graded.errors,
+                            graded.decode)
+        return graded
 
-    def _advance_cursor(self, trainer, step: int) -> None:
-        """Batch `step` trains: the trainer's own cursor takes it (what a checkpoint saves), and must name the
+    def _advance_cursor(self, batch_id: int, step: int) -> None:
+        """Batch `batch_id` trains: the trainer's own cursor takes it (what a checkpoint saves), and must name the
         prompts that went out with it."""
         from grpo_dist.trained_prompts import record
-        trainer.sampler.next_batch()
-        sent = self.in_flight.pop(step)
-        if sent != (trainer.sampler.last_batch_number, list(trainer.sampler.last_global_indices)):
-            raise RuntimeError(f"rank {self.ctx.rank}: batch {step} went out as global batch {sent[0]}, the "
-                               f"trainer's cursor is at {trainer.sampler.last_batch_number} (cursors out of step)")
-        record(step + 1, self.ctx.rank, trainer.sampler)
+        self.sampler.next_batch()
+        sent = self.in_flight.pop(batch_id)
+        if sent != (self.sampler.last_batch_number, list(self.sampler.last_global_indices)):
+            raise RuntimeError(f"rank {self.ctx.rank}: batch {batch_id} went out as global batch {sent[0]}, the "
+                               f"trainer's cursor is at {self.sampler.last_batch_number} (cursors out of step)")
+        record(step + 1, self.ctx.rank, self.sampler)
 
     def metrics(self, step_time_s: float) -> dict:
         """async/* of this step over the trainer ranks (two all-reduces, every trainer rank)."""
@@ -398,35 +422,75 @@ def accepted(lag: int, max_staleness: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- rollout side
-def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
-    """A rollout rank's whole life: build the replica, the engine and the reward functions, then answer batches
-    until the stop header. Returns the exit code."""
-    from grpo_dist import faults
-    from grpo_dist.data import render_prompt
+def replica_engine(cfg, ctx: gdist.DistContext, tokenizer):
+    """(rollout engine, EOS ids, LoRA merger or None) on a plain replica of the configured model, in the compute
+    dtype: what a rollout rank samples with, and what a trainer rank evaluates with when rollout_ranks > 0 (it
+    builds no replica for sampling). Its weights are the policy's once synced. With LoRA the merger turns pushed
+    adapters into the merged weights (AdapterMerge)."""
     from grpo_dist.decoder import prepare_replica
-    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model, load_tokenizer, reward_dtype
-    from grpo_dist.rewards import RewardComputer
-    from grpo_dist.rewards.batch import rollout_context
+    from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model
     from grpo_dist.rollout import eos_token_ids
-    from grpo_dist.rollout_engines import SamplingSpec, build_rollout_engine, generate_batch, tied_aliases
-    from grpo_dist.sampling_noise import row_seeds
+    from grpo_dist.rollout_engines import build_rollout_engine, tied_aliases
 
-    tokenizer = load_tokenizer(cfg.model)
     policy = load_model(cfg.model, tokenizer)
     replica = copy_in_dtype(policy, MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)).eval()
     replica.to(ctx.device).requires_grad_(False)
     eos = tuple(eos_token_ids(policy, tokenizer))
     tied = tied_aliases(policy)
+    merge = AdapterMerge(cfg, policy) if cfg.lora.r else None
+    if merge is not None:  # an adapted tied head gets a merged weight of its own, as on a colocated replica
+        from grpo_dist import lora
+        lora.untie(replica, lora.adapted_tied_weights(policy))
     del policy
     prepare_replica(replica)
-    engine = build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True)
+    return build_rollout_engine(cfg, ctx, replica, tokenizer, tied, synced=True), eos, merge
+
+
+class AdapterMerge:
+    """LoRA with rollout ranks: the trainers push the adapters only (r x (d_in + d_out) per adapted layer, not the
+    model), and the rollout rank merges them into its own copy of the frozen base weights with the function the
+    trainer's engines merge with (lora.merged), so the replica gets the weights a colocated sync gives, bitwise."""
+
+    def __init__(self, cfg, policy):
+        from grpo_dist import lora
+        from grpo_dist.engines import clean_name
+        from grpo_dist.rollout_engines import rollout_dtype
+        lora.apply_lora(policy, cfg.lora, cfg.model.init_seed)  # the adapted model's names (base_layer, lora_A/B)
+        self.named = {clean_name(n): p.detach() for n, p in policy.named_parameters(remove_duplicate=False)}
+        self.scaling, self.dtype = lora.scaling(cfg.lora), rollout_dtype(cfg)
+
+    def __call__(self, adapters):
+        """The merged weights (plain names, in the rollout dtype) from an iterator of pushed adapter tensors."""
+        from grpo_dist.lora import merged
+        self.named.update(dict(adapters))
+        for name, t in merged(self.named, self.scaling).items():
+            yield name, t if self.dtype is None else t.to(self.dtype)
+
+
+def _rollout_side(cfg, ctx: gdist.DistContext):
+    """(tokenizer, rollout engine, reward functions, EOS ids, LoRA merger) of a rollout rank."""
+    from grpo_dist.models import load_tokenizer, reward_dtype
+    from grpo_dist.rewards import RewardComputer
+
+    tokenizer = load_tokenizer(cfg.model)
+    engine, eos, merge = replica_engine(cfg, ctx, tokenizer)
     rewards = RewardComputer(cfg.rewards, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
                              device=ctx.device, dtype=reward_dtype(cfg), conversational=cfg.data.use_chat_template)
+    return tokenizer, engine, rewards, eos, merge
+
+
+def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
+    """A rollout rank's whole life: build the replica, the engine and the reward functions, then answer batches
+    until the stop header. Returns the exit code."""
+    from grpo_dist import faults
+
+    tokenizer, engine, rewards, eos, merge = _rollout_side(cfg, ctx)
     served = roles_.served()
     manifest = recv_obj(0, roles_, "the weight manifest")
     version: int | None = None
     idle, busy, j = 0.0, 0.0, 0
     stop = _RolloutStop(roles_.rank)
+
     try:
         with GracefulStop(stop.request, False, lambda: j).installed():
             while True:
@@ -438,40 +502,33 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                     return PREEMPTED_EXIT_CODE if stop.requested else 0
                 if header != version:  # a new version: switch weights between generation batches
                     watchdog.set_phase("weight-sync", j)
-                    engine.sync_weights(_received_weights(manifest, roles_))
+                    weights = _received_weights(manifest, roles_)
+                    engine.sync_weights(merge(weights) if merge is not None else weights)
                     version = header
                 for t in served:
                     msg = recv_obj(t, roles_, f"the prompts of batch {j}")
                     idle += time.perf_counter() - t0
-                    if t in stop.told:  # that trainer stops after the step it is on: it only drains what is in flight
+                    # that trainer stops after the step it is on: it only drains what is in flight (with dynamic
+                    # sampling that step may still take rounds: they are answered in full)
+                    if t in stop.told and not cfg.dynamic_sampling:
                         send_obj(dict(batch=msg["batch"], drained=True), t, roles_,
                                  f"the drained batch {msg['batch']}")
                         t0 = time.perf_counter()
                         continue
                     t1 = time.perf_counter()
                     watchdog.set_phase("rollout", msg["batch"])
-                    faults.inject("kill", msg["batch"] + 1, roles_.rank)  # a rollout rank that dies (tests)
-                    faults.inject("stop", msg["batch"] + 1, roles_.rank)  # one that hangs
-                    faults.inject("term", msg["batch"] + 1, roles_.rank)  # one asked to stop
-                    examples = msg["examples"]
-                    prompts = [render_prompt(e, cfg.data, tokenizer) for e in examples]
-                    spec = SamplingSpec(n=cfg.num_generations, max_tokens=cfg.max_completion_length, eos_ids=eos,
-                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                        row_seeds=tuple(row_seeds(cfg.seed, msg["batch_number"], msg["indices"],
-                                                                  cfg.num_generations)),
-                                        full_logprobs=cfg.max_staleness > 0)  # decoupled PPO's behaviour log-probs
-                    batch = generate_batch(engine, tokenizer, prompts, [e.answer for e in examples], spec,
-                                           cfg.data.max_prompt_length, ctx.device)
-                    watchdog.set_phase("reward", msg["batch"])
-                    total, per_function = rewards(batch.completions, batch.references,
-                                                  batch.completion_lengths.tolist(), cfg.max_completion_length,
-                                                  **rollout_context(examples, batch))
-                    decode = (batch.decode_row_steps or 0, int(batch.completion_mask.sum()))
+                    for fault in ("kill", "stop", "term"):  # a rollout rank that dies, hangs, is asked to stop (tests)
+                        faults.inject(fault, msg["batch"] + 1, roles_.rank)
+                    # the code a colocated rank runs, on the weights of `version`
+                    graded = sample_and_grade(cfg, engine, tokenizer, rewards, msg["examples"],
+                                              batch_number=msg["batch_number"], prompt_indices=msg["indices"],
+                                              eos_ids=eos, device=ctx.device,
+                                              stage=functools.partial(_phase, at=msg["batch"]))
+                    graded.batch = graded.batch.to("cpu")
                     faults.slow_down(msg["batch"] + 1, roles_.rank, time.perf_counter() - t1)  # a slow rank (tests)
                     busy += time.perf_counter() - t1
-                    send_obj(dict(batch=msg["batch"], version=version, rollout=batch.to("cpu"), rewards=list(total),
-                                  per_function=per_function, errors=dict(rewards.last_errors), decode=decode,
-                                  idle_s=idle, busy_s=busy, stop_requested=stop.requested), t, roles_,
+                    send_obj(dict(batch=msg["batch"], version=version, graded=graded, idle_s=idle, busy_s=busy,
+                                  stop_requested=stop.requested), t, roles_,
                              f"the completions of batch {msg['batch']}")
                     if stop.requested:
                         stop.told.add(t)
@@ -485,6 +542,12 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     finally:
         rewards.close()
         engine.close()
+
+
+def _phase(name: str, at: int):
+    """sample_and_grade's stages on a rollout rank: what a trainer names if this rank stops or hangs in one."""
+    watchdog.set_phase(name, at)
+    return contextlib.nullcontext()
 
 
 class _RolloutStop:

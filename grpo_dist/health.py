@@ -1,4 +1,4 @@
-"""Training-health monitor: every step, on the step's already all-reduced metrics (trainer._step_metrics), it
+"""Training-health monitor: every step, on the step's already all-reduced metrics (step_metrics.py), it
 tells whether the run is learning, and says so on the console when it stops learning.
 
 No collective: every rank sees the same all-reduced numbers, so every rank reaches the same verdict (the same

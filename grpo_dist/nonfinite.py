@@ -28,13 +28,46 @@ where parameters are replicated (DDP-like engines) every rank adds the same sum,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from grpo_dist import distributed as gdist
+
+NONFINITE_EXIT_CODE = 3  # too many non-finite steps in a row: rerunning the same way would fail the same way
 CAUSES = ("reward", "advantage", "loss", "gradient")  # the order in which one is named when several are seen
 PARAMETER_GROWTH_LIMIT = 10.0  # a healthy step changes the weights by a few % (lr / init std); 10x is breakage
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps were not finite (reward, advantage, loss or gradient), or an update made the
+    parameters non-finite or blew them up."""
+
+
+@dataclass
+class Votes:
+    """One step's non-finite votes, in one place: this rank's reward / advantage flags (set once the advantages
+    exist), each reward function's largest |weight x score| (max-reduced over ranks at the vote, named in the
+    message), and the cause the vote found."""
+    flags: dict = field(default_factory=dict)
+    peaks: list[float] = field(default_factory=list)
+    cause: str | None = None
+
+    def vote(self, loss_nonfinite: bool, device) -> str | None:
+        """The cause (CAUSES) seen on any rank before an optimizer step, or None: one all-reduce of the flags and
+        the peaks. Collective."""
+        votes = gdist.all_reduce_max([float(loss_nonfinite), float(self.flags.get("reward", False)),
+                                      float(self.flags.get("advantage", False)), *self.peaks], device)
+        self.peaks = [float(v) for v in votes[3:]]
+        return first_cause({"loss": votes[0] > 0, "reward": votes[1] > 0, "advantage": votes[2] > 0})
+
+
+def precision_advice(cfg) -> str:
+    """The override that turns mixed precision off, as the config parser reads it (YAML null), when it is on."""
+    return ", or train in full precision: distributed.mixed_precision=null" if cfg.distributed.mixed_precision \
+        else ""
 
 
 def reward_peaks(per_function: dict, names: list, weights: list) -> list[float]:

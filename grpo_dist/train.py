@@ -71,11 +71,12 @@ def main(argv=None) -> int:
     from grpo_dist import preflight, watchdog
     from grpo_dist.async_rollout import PeerLost
     from grpo_dist.advice import start_warnings
+    from grpo_dist.batch_source import RewardFunctionError
     from grpo_dist.checkpoint import CheckpointError
     from grpo_dist.data import DataError
     from grpo_dist.metrics import MetricsWriteError
     from grpo_dist.runlock import stop_when_parent_dies
-    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError, RewardFunctionError
+    from grpo_dist.trainer import NONFINITE_EXIT_CODE, GRPOTrainer, NonFiniteError
 
     hf_logging.disable_progress_bar()  # no per-checkpoint "Writing model shards" bars in the logs
     stop_when_parent_dies()

@@ -102,6 +102,46 @@ def test_staleness_k_bounds_the_lag_and_trains_decoupled_ppo(tmp_path):
             assert m["sampler_logprob_diff"] > 1e-4 and abs(m["is_weight_mean"] - 1.0) > 1e-4
 
 
+def _features(tmp_path):
+    """LoRA (adapter-only push), evaluation, dynamic sampling and SFT mixing in one run: a data file with a solution
+    column (SFT), its first rows as the eval split."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a), "solution": f"={2 * a} so"})
+                            + "\n" for a in range(8)))
+    return [f"max_steps={STEPS}", "data.preset=null", f"data.path={data}", f"data.eval_path={data}",
+            "data.eval_limit=4", "eval_steps=2", "lora.r=8", "lora.alpha=16", "dynamic_sampling=true",
+            "dynamic_sampling_max_rounds=3", "sft_coef=0.5", "sft_field=solution", "sft_batch_size=2"]
+
+
+@pytest.mark.slow
+def test_lora_eval_dynamic_sampling_and_sft_train_asynchronously(tmp_path):
+    """Every feature that async refused before (issue 38, item 7), in one 3-step run: at max_staleness 0 bitwise
+    the colocated run (the rollout rank runs the colocated sample-and-grade, dynamic sampling's extra rounds come
+    from the pipeline on the same weights), and at max_staleness 1 with the lag bounded; the LoRA push carries the
+    adapters only."""
+    features = _features(tmp_path)
+    colocated = run_ranks(_train, 1, tmp_path, features, str(tmp_path / "colocated"))[0]
+    k0 = run_ranks(_train, 2, tmp_path, features + ["rollout_ranks=1"], str(tmp_path / "k0"))
+    k1 = run_ranks(_train, 2, tmp_path, features + ["rollout_ranks=1", "max_staleness=1"], str(tmp_path / "k1"))
+    assert k0[1] == k1[1] == {"served": 0}
+    a, b = k0[0], k1[0]
+    assert colocated["code"] == a["code"] == b["code"] == 0
+    tensors_equal(colocated["model"], a["model"], "model")
+    tensors_equal(colocated["optim"], a["optim"], "optimizer")
+    assert any(float(m["grad_norm"]) > 0 for m in colocated["metrics"])
+    for c, m in zip(colocated["metrics"], a["metrics"]):
+        for key in ("loss", "reward_mean", "dynamic_sampling_rounds", "sft_loss", "eval_accuracy"):
+            assert c.get(key) == m.get(key), key
+    assert "eval_accuracy" in a["metrics"][1] and "eval_accuracy" in b["metrics"][1]  # eval_steps=2: at step 2
+    for m in b["metrics"]:
+        assert m["async/lag_max"] <= 1 and m["async/dropped"] == 0 and m["dynamic_sampling_rounds"] >= 1
+        assert "sft_loss" in m
+    # adapter-only push: each version is the adapters' r x (d_in + d_out) per adapted layer in fp32, not the model
+    adapters = sum(v.numel() for k, v in a["model"].items() if ".lora_A." in k or ".lora_B." in k)
+    base = sum(v.numel() for k, v in a["model"].items() if ".lora_" not in k)
+    assert a["metrics"][1]["async/weight_sync_bytes"] == 4 * adapters and 0 < adapters < base / 2, (adapters, base)
+
+
 def test_lag_acceptance_rule():
     from grpo_dist.async_rollout import accepted
     assert accepted(0, 0) and accepted(2, 2) and not accepted(3, 2) and not accepted(1, 0)
@@ -158,7 +198,8 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
     (["rollout_ranks=-1"], "rollout_ranks"),
     (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
     (["rollout_ranks=1", "rollout_engine=vllm"], "rollout_engine"),
-    (["rollout_ranks=1", "dynamic_sampling=true"], "dynamic_sampling"),
+    (["rollout_ranks=1", "curriculum.num_generations_min=2", "curriculum.num_generations_max=6"],
+     "curriculum.num_generations_min"),
     (["rollout_ranks=1", "curriculum.mode=online"], "curriculum.mode"),
 ])
 def test_settings_that_cannot_apply_are_refused_at_start(overrides, key):

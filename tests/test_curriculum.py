@@ -303,17 +303,17 @@ def _sized_on_ranks(rank, world, tmp_path):
     out = []
     for _ in range(4):
         m = tr.train_step()
-        out.append((list(tr._global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
+        out.append((list(tr.last_step.graded.global_group_sizes), {k: m[k] for k in ("loss", "reward_mean", "accuracy",
                                                                       "zero_advantage_fraction", "grad_norm")}))
         # this rank's advantages, group by group of its own size: (r - mean) / (unbiased std + eps)
         want, at = [], 0
-        for g in tr._group_sizes:
+        for g in tr.last_step.group_sizes:
             grp = graded[-1][at:at + g]
             mu = sum(grp) / g
             sd = math.sqrt(sum((v - mu) ** 2 for v in grp) / (g - 1))
             want += [(v - mu) / (sd + ADV_EPS) for v in grp]
             at += g
-        assert at == len(graded[-1]) and tr.last_advantages.tolist() == pytest.approx(want, abs=1e-5)
+        assert at == len(graded[-1]) and tr.last_step.advantages.tolist() == pytest.approx(want, abs=1e-5)
     sd, _ = tr.engine.gather_full_state()
     tr.close()
     return ({k: v.clone() for k, v in sd.items()} if rank == 0 else None), out, tr.curriculum.state_dict()
@@ -346,14 +346,13 @@ def test_every_loss_type_with_groups_of_different_sizes_written_out(loss_type, l
     out: advantages from each group's own rows, the normaliser counting the trained rows' tokens (token_mean) or
     rows (the others), flat groups out of both with skip_zero_advantage_groups."""
     import dataclasses
-    import types
 
     import torch
 
     from grpo_dist.advantages import ADV_EPS
     from grpo_dist.losses import LOSS_TYPES, grpo_loss
     from grpo_dist.rollout import RolloutBatch
-    from grpo_dist.trainer import GRPOTrainer
+    from grpo_dist import learner
     assert loss_type in LOSS_TYPES and len(LOSS_TYPES) == 4  # every loss_type the trainer supports is here
     sizes, L, beta, eps = [2, 5, 3], 6, 0.04, 0.2
     r = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 1.0]
@@ -381,10 +380,7 @@ def test_every_loss_type_with_groups_of_different_sizes_written_out(loss_type, l
         cfg = load_config(None, BASE + [f"loss_type={loss_type}", f"importance_sampling_level={level}",
                                         f"scale_rewards={scale}", f"skip_zero_advantage_groups={skip}",
                                         f"max_completion_length={L}", "output_dir=/tmp/unused"])
-        fake = types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(device=torch.device("cpu")),
-                                     _group_sizes=sizes, last_advantages=None)
-        fake._batch_reward_std = types.MethodType(GRPOTrainer._batch_reward_std, fake)
-        adv, flat = GRPOTrainer._advantages(fake, torch.tensor(r))
+        adv, flat = learner.advantages(cfg, torch.tensor(r), sizes, torch.device("cpu"))
         want_adv = []
         for rows_g in groups:
             grp = [r[i] for i in rows_g]
@@ -393,13 +389,13 @@ def test_every_loss_type_with_groups_of_different_sizes_written_out(loss_type, l
                                  "batch": (r[i] - mean(grp)) / (std(r) + ADV_EPS),
                                  "none": r[i] - mean(grp)}[scale])
         assert adv.tolist() == pytest.approx(want_adv, abs=1e-6) and flat.tolist() == [True, False, False]
-        rows = GRPOTrainer._select_rows(fake, batch, flat)
+        rows = learner.select_rows(cfg, batch, flat, sizes, eos_ids=[])
         want_rows = groups[1] + groups[2] if skip else list(range(n))
         assert rows == want_rows
-        normaliser = GRPOTrainer._step_normaliser(fake, batch, rows)
+        normaliser = learner.step_normaliser(cfg, batch, rows, torch.device("cpu"))
         want_norm = sum(lengths[i] for i in want_rows) if loss_type == "token_mean" else len(want_rows)
         assert normaliser == want_norm
-        spec = GRPOTrainer._loss_spec(types.SimpleNamespace(cfg=cfg, _kl_in_loss=lambda: True))
+        spec = learner.loss_spec(cfg, kl_in_loss=True)
         spec = dataclasses.replace(spec, beta=beta)  # the KL term in the loss too
         got = 0.0
         for mb in (rows[:3], rows[3:]):  # uneven micro-batches: the global normaliser makes them add up

@@ -133,7 +133,7 @@ def _steps(rank, world_size, engine_names):
         skips = []
         for kind in ("asked", "nan_on_rank1"):
             before, lr = _full(trainer), eng.current_lr()
-            out = eng.module(**trainer._empty_inputs())
+            out = eng.module(**trainer.learner.empty_inputs())
             loss = out.logits.float().pow(2).mean()
             if kind == "nan_on_rank1" and rank == 1:
                 loss = loss * float("nan")
@@ -143,7 +143,7 @@ def _steps(rank, world_size, engine_names):
             same = rank != 0 or all(torch.equal(before[k], after[k]) for k in before)
             skips.append((kind, res.applied, res.grad_norm, same, eng.current_lr() == lr))
         # ... and the next real step still applies (nothing held, no stale gradients)
-        out = eng.module(**trainer._empty_inputs())
+        out = eng.module(**trainer.learner.empty_inputs())
         eng.backward(out.logits.float().pow(2).mean())
         res = eng.step()
         if rank == 0:

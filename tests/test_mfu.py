@@ -48,6 +48,7 @@ def test_the_step_metrics_count_the_trained_rows_attention(tmp_path):
     def run():
         from grpo_dist.config import load_config
         from grpo_dist.distributed import init_distributed
+        from grpo_dist.step_metrics import flops_metrics
         from grpo_dist.trainer import GRPOTrainer, Timer
         batch, rewards = fixed_rollout()
         cfg = load_config(None, EQUIV_BASE + [f"prompts_per_rank={PROMPTS}", f"output_dir={tmp_path}",
@@ -55,20 +56,21 @@ def test_the_step_metrics_count_the_trained_rows_attention(tmp_path):
                                               "skip_zero_advantage_groups=true"])
         tr = GRPOTrainer(cfg, init_distributed(60))
         metrics = tr.learn(batch, rewards)
+        pairs = tr.last_step.attention_pairs
         s = (batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)).double()
         trained = [i for i in range(PROMPTS * G) if i // G != 1]
-        assert metrics["_attention_pairs"] == float((s[trained] * (s[trained] + 1)).sum())
+        assert pairs == float((s[trained] * (s[trained] + 1)).sum())
         timer = Timer()
         timer.times.update(update=0.5, logprobs=0.25)
         metrics["step_time_s"] = 1.0
-        out = tr._flops_metrics(metrics, timer, metrics["_attention_pairs"])
+        out = flops_metrics(tr.cfg, tr._flops_shape, tr._peak_flops, metrics, timer.times, pairs)
         n, layers, d_q = tr._flops_shape
         computed = {p: metrics[f"tokens/useful_{p}"] - metrics[f"tokens/shared_{p}"] for p in ("train", "reference",
                                                                                              "old")}
-        attention = 2 * d_q * layers * metrics["_attention_pairs"]
+        attention = 2 * d_q * layers * pairs
         want = 6 * n * computed["train"] + 2 * n * (computed["reference"] + computed["old"]) + attention * (3 * 2 + 2)
         assert out["model_flops"] == pytest.approx(want)
         assert out["mfu"] == pytest.approx(want / 1e9)
         tr.cfg.peak_flops, tr._peak_flops = None, None
-        assert tr._flops_metrics(metrics, timer, metrics["_attention_pairs"])["mfu"] is None
+        assert flops_metrics(tr.cfg, tr._flops_shape, tr._peak_flops, metrics, timer.times, pairs)["mfu"] is None
     in_process(run)

@@ -133,7 +133,7 @@ BUDGET = ["data.max_prompt_length=8", "max_tokens_per_micro_batch=24"]
 
 
 def _steps(rank, world_size, budget):
-    from grpo_dist import trainer as trainer_mod
+    from grpo_dist import learner as trainer_mod
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
@@ -155,13 +155,13 @@ def _steps(rank, world_size, budget):
         cfg = load_config(None, BASE + overrides + extra + [f"prompts_per_rank={len(rows) // G}",
                                                           "output_dir=/tmp/unused"])
         trainer = GRPOTrainer(cfg, ctx)
-        def planned(b, r, plan=trainer._micro_batches, pf=trainer.padding_free, share=trainer.share_prompts):
+        def planned(b, r, plan=trainer.learner.micro_batches, pf=trainer.padding_free, share=trainer.share_prompts):
             micro = plan(b, r)
             lengths = trainer_mod.mbatch.row_lengths(b, r)
             plans.append([(len(mb), _computed(lengths, mb, b, share) if pf else
                            trainer_mod.mbatch.padded_cost([lengths[i] for i in mb])) for mb in micro])
             return micro
-        trainer._micro_batches = planned
+        trainer.learner.micro_batches = planned
         metrics = trainer.learn(batch.rows(rows), rewards[rows])
         sd, _ = trainer.engine.gather_full_state()
         results[name] = ({k: v.clone() for k, v in sd.items()} if sd is not None else None, metrics)  # rank 0

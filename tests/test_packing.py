@@ -257,9 +257,9 @@ def _trainer_steps(rank, world_size, names):
                 set_lora_b(trainer)
             elif trainer.ref_model is not None:
                 _perturb_reference(trainer)
-            micro = trainer._micro_batches(batch, list(range(len(batch))))
+            micro = trainer.learner.micro_batches(batch, list(range(len(batch))))
             from grpo_dist.packing import PassTokens
-            old = trainer._score(trainer.engine.module, batch, micro, PassTokens())  # the no-grad pass
+            old = trainer.learner.score(trainer.engine.module, batch, micro, PassTokens())  # the no-grad pass
             metrics = trainer.learn(batch, rewards)
             sd, _ = trainer.engine.gather_full_state()
             results[name, pf] = ({k: v.clone() for k, v in sd.items()}, metrics, micro, old)

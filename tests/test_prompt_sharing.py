@@ -164,8 +164,8 @@ def _trainer(rank, world_size, overrides):
                                                         "micro_batch_size=8", "num_iterations=2"] + overrides),
                               init_distributed(120))
     batch, rewards = fixed_rollout()
-    micro = trainer._micro_batches(batch, list(range(len(batch))))
-    from grpo_dist import trainer as trainer_module
+    micro = trainer.learner.micro_batches(batch, list(range(len(batch))))
+    from grpo_dist import learner as trainer_module
     built, pack_rows = [], trainer_module.pack_rows
     trainer_module.pack_rows = lambda *a, **k: built.append(1) or pack_rows(*a, **k)  # layouts built this step
     m = trainer.learn(batch, rewards)

@@ -164,14 +164,11 @@ def test_a_dead_batch_worker_counts_the_call_and_is_replaced():
 
 
 def test_not_applicable_in_the_metrics_and_the_completion_log(tmp_path):
-    import types
-
     from grpo_dist.completions import CompletionLog
-    from grpo_dist.trainer import GRPOTrainer
+    from grpo_dist.step_metrics import reward_means
     nan = float("nan")
-    fake = types.SimpleNamespace(ctx=types.SimpleNamespace(device="cpu"))
     # one process, no process group: the mean is over the rows the function applied to
-    assert GRPOTrainer._reward_means(fake, {"sol": [1.0, nan, 0.0, nan], "len": [0.5] * 4}) == \
+    assert reward_means({"sol": [1.0, nan, 0.0, nan], "len": [0.5] * 4}, "cpu") == \
         {"reward/sol": 0.5, "reward/len": 0.5}
     log = CompletionLog(str(tmp_path), 2, True)
     log.write(1, ["p", "p"], ["a", "b"], ["1", "1"], [1.0, 0.5], {"sol": [1.0, nan], "len": [0.0, 0.5]}, [0.1, -0.1],

@@ -69,7 +69,8 @@ def test_all_failing_function_stops_the_run(tmp_path):
 def _two_ranks(rank, world, out):
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
-    from grpo_dist.trainer import GRPOTrainer, RewardFunctionError
+    from grpo_dist.batch_source import RewardFunctionError
+    from grpo_dist.trainer import GRPOTrainer
     # rank 0's completions fail, rank 1's do not: counted globally, the run goes on
     cfg = load_config("configs/smoke_cpu.yaml", [f"output_dir={out}", "reward_workers=0", "progress_bar=false",
                                                  "rewards=[{function: 'reward_fns:broken_on_rank0'}]"])
@@ -96,15 +97,12 @@ def test_two_ranks_agree(tmp_path, monkeypatch):
 
 def _reward_means_on_rank(rank, world):
     """Rank 0 scores [1, 1, 0, 0] on 'verifier', rank 1 [1, 0, 0, 0]; the format reward differs too."""
-    import types
-
     from grpo_dist import distributed as gdist
-    from grpo_dist.trainer import GRPOTrainer
+    from grpo_dist.step_metrics import reward_means
     ctx = gdist.init_distributed(60)
-    fake = types.SimpleNamespace(ctx=ctx)
     per_function = {"verifier": [1.0, 1.0, 0.0, 0.0] if rank == 0 else [1.0, 0.0, 0.0, 0.0],
                     "format": [0.2, 0.2, 0.2, 0.2] if rank == 0 else [0.0, 0.0, 0.2, 0.0]}
-    return GRPOTrainer._reward_means(fake, per_function)
+    return reward_means(per_function, ctx.device)
 
 
 def test_reward_metrics_are_means_over_all_ranks(tmp_path):

@@ -21,7 +21,7 @@ def _trainer(overrides):
 
 def _record_loss_inputs(monkeypatch):
     """Every grpo_loss call's inputs (detached), in order."""
-    import grpo_dist.trainer as trainer_mod
+    import grpo_dist.learner as trainer_mod
     calls, real = [], trainer_mod.grpo_loss
 
     def recording(logp, old, adv, mask, **kwargs):

@@ -44,14 +44,15 @@ def _uneven_run(rank, world_size, out_dir, skip_zero):
     trainer = GRPOTrainer(cfg, ctx)
     force = _Force(trainer.tokenizer.eos_token_id, force=(rank == 0))
 
-    def rollout(examples, refresh=True):
-        trainer.sync_rollout_weights()
+    def rollout(examples, timer=None):  # the source synced the weights into gen_model before its first round
+        from grpo_dist.graded import grade
         prompts = [render_prompt(e, cfg.data, trainer.tokenizer) for e in examples]
-        return generate_rollouts(trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
-                                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-                                 logits_processor=LogitsProcessorList([force]))
+        batch = generate_rollouts(trainer.gen_model, trainer.tokenizer, prompts, [e.answer for e in examples],
+                                  num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+                                  logits_processor=LogitsProcessorList([force]))
+        return grade(cfg, trainer.rewards, examples, batch)
 
-    trainer.rollout = rollout
+    trainer.source.rollout = rollout
     before = {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters()}
     code = trainer.train()
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in trainer.engine.module.named_parameters()

@@ -322,15 +322,16 @@ def _dynamic_steps(rank, world_size, max_rounds):
     rounds = iter(SCRIPT[rank])
     seen = []
 
-    def scripted_round(timer, refresh=True):
+    def scripted_round(step, timer, first=True):
+        from grpo_dist.graded import Graded
         rewards = [float(x) for group in next(rounds) for x in group]
-        seen.append(refresh)
+        seen.append(first)
         with timer("rollout"):
             pass
         b = batch.rows(list(range(2 * G)))
-        return b, rewards, {"verifier": rewards}
+        return Graded(b, rewards, {"verifier": rewards})
 
-    trainer._rollout_and_grade = scripted_round
+    trainer.source._round = scripted_round
     trainer.sampler.next_batch = None  # never called: the script stands in for rollout and reward
     metrics = trainer.train_step()
     return metrics, seen

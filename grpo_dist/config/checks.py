@@ -147,20 +147,23 @@ def async_problems(cfg, world_size: int | None = None) -> list[str]:
                    f"distributed.timeout_s = {cfg.distributed.timeout_s:g}: with rollout_ranks > 0 a trainer "
                    f"waits at most distributed.timeout_s for a graded batch, and one hung completion would "
                    f"outlast that; lower reward_timeout_s or raise distributed.timeout_s")
-    unsupported = [("distributed.backend", cfg.distributed.backend, cfg.distributed.backend == "deepspeed"),
-                   ("rollout_engine", cfg.rollout_engine, cfg.rollout_engine == "vllm"),
-                   ("dynamic_sampling", cfg.dynamic_sampling, cfg.dynamic_sampling),
-                   ("sampling_noise", cfg.sampling_noise, cfg.sampling_noise != "per_prompt"),
-                   ("eval_steps", cfg.eval_steps, bool(cfg.eval_steps)),
-                   ("full_eval_steps", cfg.full_eval_steps, bool(cfg.full_eval_steps)),
-                   ("lora.r", cfg.lora.r, bool(cfg.lora.r)),
-                   ("sft_coef", cfg.sft_coef, bool(cfg.sft_coef)),
-                   # online statistics come from graded groups, which the rollout ranks do not send back yet
-                   ("curriculum.mode", cfg.curriculum.mode, cfg.curriculum.mode == "online")]
-    for key, value, bad_here in unsupported:
+    c = cfg.curriculum
+    unsupported = [  # each with why (docs/async.md)
+        ("distributed.backend", cfg.distributed.backend, cfg.distributed.backend == "deepspeed",
+         "the weight push streams FSDP units (Engine.iter_full_weights over the trainer group); ZeRO-3's "
+         "gather is not wired to the sync group"),
+        ("rollout_engine", cfg.rollout_engine, cfg.rollout_engine == "vllm",
+         "a rollout rank builds a lean / hf replica; vLLM there (its own venv, .ci/vllm_env.sh) is not built"),
+        ("sampling_noise", cfg.sampling_noise, cfg.sampling_noise != "per_prompt",
+         "a rollout rank must draw what the trainer would: only per-prompt noise is the same on any rank"),
+        ("curriculum.mode", c.mode, c.mode == "online",
+         "online statistics would update k batches after the prompts they choose were sent"),
+        ("curriculum.num_generations_min", c.num_generations_min,
+         c.num_generations_min is not None or c.num_generations_max is not None,
+         "group sizes are planned per round on the trainers and not sent with the prompts")]
+    for key, value, bad_here, why in unsupported:
         if bad_here:
-            bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0 yet "
-                       f"(docs/async.md)")
+            bad.append(f"config key '{key}' = {value} is not supported with rollout_ranks > 0: {why}")
     return bad
 
 

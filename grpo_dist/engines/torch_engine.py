@@ -85,6 +85,15 @@ class TorchEngine(Engine):
             for name, t in merged(full, scaling(self.cfg.lora)).items():
                 yield name, t.detach() if dtype is None else t.detach().to(dtype)
 
+    def iter_adapter_weights(self):
+        """LoRA: the adapters' full tensors only (plain names, as stored), for rollout ranks that merge them into
+        their own base weights (async_rollout.AdapterMerge). Collective: every rank must exhaust the iterator."""
+        from grpo_dist.lora import is_adapter_param
+        with self._full_named_parameters() as full:
+            for name, t in full.items():
+                if is_adapter_param(name):
+                    yield name, t.detach()
+
     @contextlib.contextmanager
     def _full_named_parameters(self):
         """{plain name: full tensor} of every parameter, tied ones under every name (an adapted tied head is
