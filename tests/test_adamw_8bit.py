@@ -118,22 +118,129 @@ def _straight_and_resumed(rank, world, tmp):
     tr = resume_trainer(base + [f"output_dir={tmp / 'a'}"])
     assert tr.train() == 0
     share = _eight_bit_shares(tr.engine.optimizer)
-    tr = resume_trainer(base + [f"output_dir={tmp / 'b'}", f"resume_from_checkpoint={tmp / 'a' / 'checkpoint-1'}"])
+    # b: from a's full checkpoint, writing sharded (DCP) ones; c: from b's sharded checkpoint-2, writing full ones
+    tr = resume_trainer(base + [f"output_dir={tmp / 'b'}", f"resume_from_checkpoint={tmp / 'a' / 'checkpoint-1'}",
+                                "save_format=sharded"])
+    assert tr.train() == 0
+    tr = resume_trainer(base + [f"output_dir={tmp / 'c'}", f"resume_from_checkpoint={tmp / 'b' / 'checkpoint-2'}"])
     assert tr.train() == 0
     return share
 
 
-@pytest.mark.slow  # 2 spawned gloo ranks, 3 + 2 steps: ~40 s
+@pytest.mark.slow  # 2 spawned gloo ranks, 3 + 2 + 1 steps: ~45 s
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_is_bitwise(tmp_path, world):
-    """3 steps straight vs 1 step, a full checkpoint, and 2 more from it: weights, optimizer state (codes, block
-    scales) and trainer state equal bit for bit."""
+    """3 steps straight vs 1 step, a full checkpoint, 1 more step, a sharded (DCP) checkpoint, and 1 more from it:
+    weights, optimizer state (codes, block scales: gathered from 2 ranks' FSDP shards and scattered back, or each
+    rank's own in the DCP directory) and trainer state equal bit for bit."""
     assert RESUME_BASE  # the tiny trainer of the resume tests, widened
     share = run_ranks(_straight_and_resumed, world, tmp_path, tmp_path, timeout=900)[0]
     assert share > 0.85
     a = checkpoint_state(tmp_path / "a" / "checkpoint-3")
-    b = checkpoint_state(tmp_path / "b" / "checkpoint-3")
+    b = checkpoint_state(tmp_path / "c" / "checkpoint-3")
+    assert (tmp_path / "b" / "checkpoint-2" / "sharded").is_dir()
     optim = a[1]["state"]
-    assert any(bool((st["absmax1"] >= 0).all()) for st in optim.values())  # 8-bit moments were saved
+    assert any(st["q8_codes"].dtype == torch.uint8 and bool((st["q8_absmax"] >= 0).all())
+               for st in optim.values())  # the 8-bit codes and scales were saved
     tensors_equal(a, b, f"world {world}")
-    assert os.path.isfile(tmp_path / "b" / "checkpoint-3" / "optimizer.pt")
+    assert os.path.isfile(tmp_path / "c" / "checkpoint-3" / "optimizer.pt")
+
+
+# ----------------------------------------------------------------------------------- quantised checkpoint state
+def _cfg():
+    from types import SimpleNamespace
+    return SimpleNamespace(learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                           weight_decay=0.01)
+
+
+def _stepped(params, grads, steps=2):
+    from grpo_dist.optim8bit import build_adamw_8bit
+    opt = build_adamw_8bit(_cfg(), params)
+    for s in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g * (s + 1)
+        opt.step()
+    return opt
+
+
+def _tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+@pytest.mark.fast
+def test_checkpoint_state_is_the_codes_and_scales_and_resumes_bitwise():
+    """One process: gather_full (what optimizer.pt holds) is bitsandbytes' codes (1 byte per moment) plus one
+    fp32 scale and block start per 256 elements: < 2.2 bytes per parameter of an 8-bit matrix (the fp32 moments
+    and per-element scales it replaced: 16). Loaded into a fresh optimizer: the same codes, scales and steps, and
+    the next step equal bit for bit."""
+    from grpo_dist.optim8bit import Q8, gather_full, load_full
+    torch.manual_seed(0)
+    model = torch.nn.Linear(96, 100)  # weight 9600 elements (8-bit: 37 blocks, the last short), bias 100 (fp32)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    opt = _stepped(list(model.parameters()), grads)
+    sd = gather_full(model, opt)
+    weight = sd["state"]["weight"]
+    assert weight[Q8].dtype == torch.uint8 and weight[Q8].shape == (2, 100, 96)
+    assert _tensor_bytes(weight) / 9600 < 2.2 and _tensor_bytes(opt.state_dict()["state"][0]) / 9600 == 16.0 + 4 / 9600
+    assert weight["q8_block_start"].tolist() == list(range(0, 9600, 256))
+    assert float(sd["state"]["bias"]["q8_absmax"][0, 0]) == -1  # bias: kept fp32 moments, exact
+    twin = torch.nn.Linear(96, 100)
+    twin.load_state_dict(model.state_dict())
+    fresh = _stepped(list(twin.parameters()), grads, steps=0)
+    load_full(twin, fresh, torch.load(_saved(sd), weights_only=False), broadcast=False)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        tensors_equal(fresh.state[q], opt.state[p], "loaded state")
+    for o, m in ((opt, model), (fresh, twin)):
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+        o.step()
+    tensors_equal(dict(twin.named_parameters()), dict(model.named_parameters()), "the step after the load")
+
+
+def _saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.fast
+def test_quantised_state_moves_between_shard_layouts():
+    """FSDP1's flat shards cut a parameter anywhere: 2 'ranks' hold elements [0, 5000) (8-bit, blocks from 0) and
+    [5000, 8192) (3192 < 4096 elements: fp32 moments). Merged, the state loads back into each half bit for bit;
+    into the whole parameter (1 rank) it is the moments qmap[code] x scale of the first half's blocks and the
+    second half's fp32 values, quantised afresh; optimizer=adamw takes those moments (dequantised)."""
+    from grpo_dist.optim8bit import QMAP, _merge, _segment, dequantised, dequantised_range, native_from_quantised
+    torch.manual_seed(1)
+    full, grad = torch.randn(64, 128), torch.randn(64, 128)
+    halves = [torch.nn.Parameter(full.flatten()[a:b].clone()) for a, b in ((0, 5000), (5000, 8192))]
+    opt = _stepped(halves, [grad.flatten()[:5000], grad.flatten()[5000:]])
+    st0, st1 = opt.state[halves[0]], opt.state[halves[1]]
+    assert st0["state1"].dtype == torch.uint8 and st1["state1"].dtype == torch.float32
+    qmaps = torch.stack([st0["qmap1"], st0["qmap2"]]).float()
+    q = torch.load(_saved(_merge([_segment(st1, 5000), None, _segment(st0, 0)], full.shape)),
+                   weights_only=False)
+    for p, offset in zip(halves, (0, 5000)):  # the same layout: bitwise
+        tensors_equal(native_from_quantised(opt, q, qmaps, p, offset), opt.state[p], f"half at {offset}")
+    m, v = dequantised_range(q, qmaps, 0, 8192)
+    scale1 = st0["absmax1"].repeat_interleave(256)[:5000]
+    scale2 = st0["absmax2"].repeat_interleave(256)[:5000]
+    torch.testing.assert_close(m, torch.cat([st0["qmap1"][st0["state1"].long()] * scale1, st1["state1"]]),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(v, torch.cat([st0["qmap2"][st0["state2"].long()] * scale2, st1["state2"]]),
+                               rtol=0, atol=0)
+    whole = torch.nn.Parameter(full.clone())
+    one = _stepped([whole], [grad], steps=0)
+    st = native_from_quantised(one, q, qmaps, whole, 0)  # another layout: quantised afresh from those moments
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 32
+    again = st["qmap1"][st["state1"].long()].flatten() * st["absmax1"].repeat_interleave(256)
+    assert float((again - m).abs().max()) <= 0.02 * float(m.abs().max())
+    dense = dequantised({"state": {"w": q}, "param_groups": [], QMAP: qmaps})["state"]["w"]
+    assert dense["exp_avg"].shape == full.shape and torch.equal(dense["exp_avg_sq"].flatten(), v)
