@@ -440,15 +440,19 @@ def load_full(module: torch.nn.Module, optimizer, optim_sd: dict | None, broadca
             optimizer.state[p] = native_from_quantised(optimizer, q, qmap, p, offset)
 
 
-def dequantised(optim_sd: dict) -> dict:
+def dequantised(optim_sd: dict, groups: list[dict]) -> dict:
     """A quantised full state dict as torch AdamW's (step, exp_avg, exp_avg_sq of the parameter's shape): what
-    optimizer=adamw loads from an adamw_8bit checkpoint."""
+    optimizer=adamw loads from an adamw_8bit checkpoint. groups: that optimizer's param_groups, whose options
+    are kept where bitsandbytes' groups have none of the same name."""
     state = {}
     for name, q in optim_sd["state"].items():
         shape = q[Q8].shape[1:]
         m, v = dequantised_range(q, optim_sd[QMAP], 0, shape.numel())
         state[name] = {"step": q["step"].float(), "exp_avg": m.reshape(shape), "exp_avg_sq": v.reshape(shape)}
-    return {"state": state, "param_groups": optim_sd["param_groups"]}
+    mine = [{k: saved.get(k, v) for k, v in g.items() if k != "params"} for g, saved in
+            zip(groups, optim_sd["param_groups"])]
+    return {"state": state, "param_groups": [dict(g, params=saved["params"]) for g, saved in
+                                             zip(mine, optim_sd["param_groups"])]}
 
 
 # Sharded (DCP) checkpoints: every rank writes its own segments (codes, block starts and scales, as in _segment)

@@ -138,7 +138,11 @@ def test_resume_is_bitwise(tmp_path, world):
     assert share > 0.85
     a = checkpoint_state(tmp_path / "a" / "checkpoint-3")
     b = checkpoint_state(tmp_path / "c" / "checkpoint-3")
-    assert (tmp_path / "b" / "checkpoint-2" / "sharded").is_dir()
+    import torch.distributed.checkpoint as dcp
+
+    from grpo_dist.optim8bit import sharded_holds_quantised
+    metadata = dcp.FileSystemReader(str(tmp_path / "b" / "checkpoint-2" / "sharded")).read_metadata()
+    assert sharded_holds_quantised(metadata.state_dict_metadata)  # each rank's codes and scales, not fp32 moments
     optim = a[1]["state"]
     assert any(st["q8_codes"].dtype == torch.uint8 and bool((st["q8_absmax"] >= 0).all())
                for st in optim.values())  # the 8-bit codes and scales were saved
@@ -242,5 +246,66 @@ def test_quantised_state_moves_between_shard_layouts():
     assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 32
     again = st["qmap1"][st["state1"].long()].flatten() * st["absmax1"].repeat_interleave(256)
     assert float((again - m).abs().max()) <= 0.02 * float(m.abs().max())
-    dense = dequantised({"state": {"w": q}, "param_groups": [], QMAP: qmaps})["state"]["w"]
+    dense = dequantised({"state": {"w": q}, "param_groups": [], QMAP: qmaps}, [])["state"]["w"]
     assert dense["exp_avg"].shape == full.shape and torch.equal(dense["exp_avg_sq"].flatten(), v)
+
+
+def _older_checkpoints(rank, world, tmp):
+    """One process: a sharded checkpoint in the fp32-moment layout adamw_8bit wrote before (get_state_dict's, as
+    _legacy_sharded_state writes it) and a quantised one; what adamw_8bit and adamw make of each."""
+    import torch.distributed.checkpoint as dcp
+
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.optim8bit import QMAP, dequantised_range
+    from grpo_dist.trainer import GRPOTrainer
+    ctx = init_distributed(60)
+    batch, rewards = fixed_rollout()
+
+    def trainer(name):
+        return GRPOTrainer(load_config(None, EQUIV_BASE + [WIDE, f"optimizer={name}", f"prompts_per_rank={PROMPTS}",
+                                                           "output_dir=/tmp/unused", "micro_batch_size=4"]), ctx)
+    tr = trainer("adamw_8bit")
+    tr.learn(batch, rewards)
+    dcp.save(tr.engine._legacy_sharded_state(), checkpoint_id=str(tmp / "legacy"))
+    tr.engine.save_sharded(tmp / "quantised")
+    names = {id(p): n for n, p in tr.engine.module.named_parameters()}
+    want = {names[id(p)]: st for p, st in tr.engine.optimizer.state.items()}
+    again = trainer("adamw_8bit")
+    again.engine.load_sharded(tmp / "legacy")  # fp32 moments and per-element scales: codes and scales recovered
+    got = {n: again.engine.optimizer.state[p] for n, p in again.engine.module.named_parameters()}
+    assert set(got) == set(want)
+    for n, st in got.items():  # a block of scale 0 (embedding rows no token used) is zeros under any code
+        tensors_equal(_moments(st), _moments(want[n]), f"from the fp32-moment layout: {n}")
+    plain = trainer("adamw")
+    with pytest.raises(ValueError) as e:
+        plain.engine.load_sharded(tmp / "quantised")
+    message = str(e.value)
+    model_sd, optim_sd = tr.engine.gather_full_state()
+    plain.engine.load_full_state(model_sd, optim_sd)  # optimizer=adamw from the quantised full state: dequantised
+    q, p = optim_sd["state"]["model.layers.0.mlp.up_proj.weight"], plain.engine.module.model.layers[0].mlp.up_proj
+    m, v = dequantised_range(q, optim_sd[QMAP], 0, p.weight.numel())
+    st = plain.engine.optimizer.state[p.weight]
+    return message, torch.equal(st["exp_avg"].flatten(), m), torch.equal(st["exp_avg_sq"].flatten(), v)
+
+
+def _moments(st: dict) -> dict:
+    """A bitsandbytes state as the moments its step reads (qmap[code] x block scale), its scales and step."""
+    if st["state1"].dtype != torch.uint8:
+        return st
+    out = {"step": st["step"], "absmax1": st["absmax1"], "absmax2": st["absmax2"]}
+    for k in ("1", "2"):
+        scale = st[f"absmax{k}"].repeat_interleave(256)[:st[f"state{k}"].numel()]
+        out[f"moment{k}"] = st[f"qmap{k}"][st[f"state{k}"].long()].flatten() * scale
+    return out
+
+
+@pytest.mark.slow  # 1 spawned process: ~10 s
+def test_older_and_other_optimizer_checkpoints(tmp_path):
+    """adamw_8bit loads its earlier sharded layout (fp32 moments + per-element scales): the same moments, scales and
+    steps (codes too, but in blocks of scale 0, where every code means 0); optimizer=adamw
+    takes a quantised full state as its dequantised moments (qmap[code] x block scale) and refuses a quantised
+    sharded one with one line naming why."""
+    message, m_equal, v_equal = run_ranks(_older_checkpoints, 1, tmp_path, tmp_path, timeout=600)[0]
+    assert message == (f"{tmp_path / 'quantised'} holds optimizer=adamw_8bit's quantised optimizer state, which "
+                       "optimizer=adamw cannot load from a sharded checkpoint; resume with optimizer=adamw_8bit")
+    assert m_equal and v_equal

@@ -234,7 +234,7 @@ class TorchEngine(Engine):
         optimizer=adamw takes it dequantised (fp32 moments, gathered on rank 0 as torch's loader wants them)."""
         from grpo_dist import optim8bit
         if not optim8bit.is_8bit(self.optimizer):
-            dense = optim8bit.dequantised(optim_state) if optim_state is not None else None
+            dense = optim8bit.dequantised(optim_state, self.optimizer.param_groups) if optim_state else None
             if broadcast:
                 self._load_optimizer(dense if self.ctx.is_main else {}, started, opts)
             else:
