@@ -8,18 +8,21 @@ torchao's AdamW8bit compiles every parameter shape with torch.compile on CPU (tw
 Neither library's own state dict survives FSDP's gathering (bitsandbytes hides its per-shard quantisation state in
 a nested dict that FSDP then finds different on every rank), so AdamW8bit here converts its state.
 
-The state dict (what checkpoints hold) has, per parameter, only fp32 tensors of the parameter's shape (FSDP gathers
-and re-shards nothing else, and all of one dtype), so it is gathered like torch AdamW's: `step`, `exp_avg` and
-`exp_avg_sq` (the moments, exactly the values the 8-bit step dequantizes, code x block scale: torch AdamW's own
-keys, so a checkpoint moves between adamw and adamw_8bit), plus each element's block scale (`absmax1`, `absmax2`;
--1 where the shard keeps fp32 moments, as bitsandbytes does below min_8bit_size elements): 16 bytes per parameter
-on disk, twice torch AdamW's. Loading recovers codes (the nearest code to moment / scale) and scales exactly when
-the blocks line up as they were saved (same world size and sharding: the resume is bitwise); otherwise (another
-world size, or a torch AdamW checkpoint) the moments are quantised afresh.
+Checkpoints hold the quantised state itself (codes, block scales and where the blocks start: ~2 bytes per
+parameter), gathered and scattered one parameter at a time by gather_full / load_full (full format) and
+sharded_state / load_sharded_state (DCP): see "quantised checkpoint state" below and docs/optimizers.md.
+
+state_dict() (torch's machinery: FSDP.optim_state_dict, DCP's get_state_dict, DeepSpeed) still gives, per
+parameter, only fp32 tensors of the parameter's shape (FSDP gathers and re-shards nothing else, and all of one
+dtype): `step`, `exp_avg` and `exp_avg_sq` (the moments the 8-bit step dequantizes, code x block scale: torch
+AdamW's own keys) plus each element's block scale (`absmax1`, `absmax2`; -1 where the shard keeps fp32 moments, as
+bitsandbytes does below min_8bit_size elements): 16 bytes per parameter, the layout checkpoints held before.
+load_state_dict takes it (and torch AdamW's) back: codes (the nearest code to moment / scale) and scales are
+recovered when the blocks line up as they were saved; otherwise the moments are quantised afresh.
 
 FSDP2 (fully_shard): bitsandbytes' kernels refuse DTensors, so ShardedAdamW8bit steps each parameter's local shard
-(to_local() shares its storage) and returns the same state dict with DTensors placed like the parameter, which DCP
-shards (save_format=sharded) or gathers (full) as it does torch AdamW's moments.
+(to_local() shares its storage); its checkpoints take each rank's row shard as one segment of the flattened
+parameter, and its state_dict() is the fp32-moment layout above as DTensors placed like the parameter.
 """
 
 from __future__ import annotations
