@@ -256,7 +256,7 @@ def is_8bit(optimizer) -> bool:
 
 def holds_quantised(optim_sd: dict | None) -> bool:
     """Whether a full (FQN-keyed) optimizer state dict holds the quantised state (else fp32 moments, or nothing)."""
-    return bool(optim_sd) and any(Q8 in st for st in optim_sd.get("state", {}).values())
+    return optim_sd is not None and any(Q8 in st for st in optim_sd.get("state", {}).values())
 
 
 def _layout(module: torch.nn.Module, optimizer) -> list[tuple[str, torch.Tensor, int, torch.Size]]:
@@ -429,6 +429,7 @@ def load_full(module: torch.nn.Module, optimizer, optim_sd: dict | None, broadca
         if optim_sd else None
     if broadcast:
         head = gdist.broadcast_object(head)
+    assert head is not None, "load_full without a state dict on rank 0"
     groups, qmap = head
     if len(groups) != len(optimizer.param_groups):
         raise ValueError("loaded optimizer state has different parameter groups")

@@ -181,7 +181,7 @@ class FSDPEngine(TorchEngine):
             with self._optimizer_kept_unstarted() as unstarted:
                 optim_sd = optim8bit.gather_full(self.module, self.optimizer) if optim8bit.is_8bit(self.optimizer) \
                     else FSDP.optim_state_dict(self.module, self.optimizer, group=gdist.group())
-        if not self.ctx.is_main:
+        if not self.ctx.is_main or optim_sd is None:
             return None, None
         if unstarted:
             optim_sd["state"] = {}
