@@ -76,6 +76,7 @@ class AttentionRows:
             flat += len(part) * size
         self.owner = owner.to(device)
         self.shared, self.consumed = shared, 0
+        self.unmasked = False  # set by _run_packed: the forward's block-diagonal mask was not built
 
     @property
     def calls(self) -> int:
@@ -130,7 +131,7 @@ def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     why = _rows_reason(query, key, kwargs)
-    if why is not None and attention_mask is _UNREAD_MASK:  # _run_packed's promise broken: no mask to fall back on
+    if why is not None and plan.unmasked:  # _run_packed's promise broken: no mask to fall back on
         raise RuntimeError(f"packed attention: {why}, and transformers' block-diagonal mask was not built")
     if why is not None and not plan.shared:  # transformers' block-diagonal mask from the position_ids is right
         _say_once(f"[grpo_dist] packed attention: {why}; this layer runs transformers' sdpa with its dense "
@@ -278,6 +279,7 @@ def _run_packed(model, packed: PackedRows):
     unread = share_prompts_reason(model) is None  # sdpa without a sliding window: every layer reads the plan
     if unread:
         inputs["attention_mask"] = _UNREAD_MASK
+    packed.plan.unmasked = unread
     out = model(**inputs)
     if packed.plan.consumed == seen and (packed.plan.shared or unread):  # the attention never read the plan
         what = "shared prompts" if packed.plan.shared else "packed rows"
