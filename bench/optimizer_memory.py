@@ -1,8 +1,11 @@
 """Optimizer state per rank: optimizer=adamw vs adamw_8bit at 1 and 2 ranks, on SmolLM2-135M-Instruct (or a tiny
 model with --tiny). After one real GRPO step (the state exists), each rank counts the bytes of its live optimizer
 state tensors (grpo_dist.optim8bit.state_bytes) and the elements of its trainable parameters (its FSDP shards at
-2 ranks; under FSDP2 the DTensors' local shards), and reports bytes per parameter and MiB per rank. The last line
-is one JSON object.
+2 ranks; under FSDP2 the DTensors' local shards), and reports bytes per parameter and MiB per rank. Then what a
+checkpoint's optimizer part costs: optimizer.state_dict()'s tensors on each rank (state_dict B/p: what FSDP's and
+DCP's gathering would take from this rank at once), the full optimizer state gathered on rank 0 (gathered B/p, over
+the parameters of all ranks), optimizer.pt of a full checkpoint and the DCP directory of a sharded one (model
+included). The last line is one JSON object.
 
     python bench/optimizer_memory.py            # SmolLM2 (python -m grpo_dist.tools.smollm2 builds it), ~5 min
     python bench/optimizer_memory.py --tiny     # a tiny Qwen2, seconds
@@ -52,8 +55,43 @@ def worker(args):
     params = sum(local(p) for g in opt.param_groups for p in g["params"])
     eight = sum(local(p) for p, st in opt.state.items() if st.get("state1", torch.empty(0)).dtype == torch.uint8)
     out = {"rank": ctx.rank, "params": params, "state_bytes": state_bytes(opt), "eight_bit_params": eight}
+    out.update(_checkpoint_figures(trainer, ctx))
     print_rank_results(out, ctx)
     gdist.cleanup()
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _checkpoint_figures(trainer, ctx) -> dict:
+    """Bytes of what a checkpoint's optimizer part costs: optimizer.state_dict() on this rank (what the fp32-moment
+    layout materialised at once on the device), the full state dict gathered on rank 0 (host), and the files of a
+    full and a sharded checkpoint (optimizer.pt; the DCP directory, model included)."""
+    from pathlib import Path
+
+    from grpo_dist import checkpoint as ckpt
+    opt = trainer.engine.optimizer
+    out = {"state_dict_bytes": _tensor_bytes(opt.state_dict()["state"])}
+    _, optim_sd = trainer.engine.gather_full_state()
+    out["gathered_bytes"] = _tensor_bytes(optim_sd["state"]) if optim_sd is not None else None
+    del optim_sd
+    from grpo_dist import distributed as gdist
+    where = Path(gdist.broadcast_object(tempfile.mkdtemp(prefix="bench_optim_ckpt_") if ctx.is_main else None))
+    for fmt in ("full", "sharded"):
+        path = ckpt.save_checkpoint(str(where / fmt), 1, trainer.engine, trainer.hf_model, trainer.tokenizer,
+                                    trainer.trainer_state(), ctx, save_format=fmt)
+        if ctx.is_main:
+            files = [path / "optimizer.pt"] if fmt == "full" else list((path / "sharded").rglob("*"))
+            out[f"{fmt}_optimizer_file_bytes"] = sum(f.stat().st_size for f in files if f.is_file())
+    return out
 
 
 def run(world: int, model: str, optimizer: str, backend: str) -> list[dict]:
@@ -80,14 +118,27 @@ def main():
         from grpo_dist.tools import smollm2
         model, name = f"model.name_or_path={smollm2.build_model_dir()}", "SmolLM2-135M-Instruct"
     summary: dict = {"model": name, "backend": args.backend}
-    print(f"{'':22} {'params/rank':>12} {'state MiB':>10} {'bytes/param':>12} {'8-bit share':>12}")
+    print(f"{'':22} {'params/rank':>12} {'state MiB':>10} {'bytes/param':>12} {'8-bit share':>12} "
+          f"{'state_dict B/p':>14} {'gathered B/p':>12} {'optimizer.pt MiB':>16} {'sharded dir MiB':>15}")
     for optimizer in ("adamw", "adamw_8bit"):
         for world in (1, 2):
-            for r in run(world, model, optimizer, args.backend):
+            rows = run(world, model, optimizer, args.backend)
+            everyone = sum(x["params"] for x in rows)
+            for r in rows:
                 per = r["state_bytes"] / max(r["params"], 1)
                 label = f"{optimizer} {world} rank(s) r{r['rank']}"
+                gathered = r.get("gathered_bytes")
+                files = (r.get("full_optimizer_file_bytes"), r.get("sharded_optimizer_file_bytes"))
                 print(f"{label:22} {r['params']:12d} {r['state_bytes'] / 2**20:10.2f} {per:12.3f} "
-                      f"{r['eight_bit_params'] / max(r['params'], 1):12.3f}", flush=True)
+                      f"{r['eight_bit_params'] / max(r['params'], 1):12.3f} "
+                      f"{r['state_dict_bytes'] / max(r['params'], 1):14.3f} "
+                      f"{'' if gathered is None else round(gathered / everyone, 3):>12} "
+                      f"{'' if files[0] is None else round(files[0] / 2**20, 2):>16} "
+                      f"{'' if files[1] is None else round(files[1] / 2**20, 2):>15}", flush=True)
+                for key in ("state_dict_bytes", "gathered_bytes", "full_optimizer_file_bytes",
+                            "sharded_optimizer_file_bytes"):
+                    if r.get(key) is not None:
+                        summary[f"{optimizer}_{world}rank_r{r['rank']}_{key}"] = r[key]
                 summary[f"{optimizer}_{world}rank_r{r['rank']}_state_mib"] = round(r["state_bytes"] / 2**20, 2)
                 summary[f"{optimizer}_{world}rank_r{r['rank']}_bytes_per_param"] = round(per, 3)
     print(json.dumps(summary))

@@ -8,18 +8,21 @@ torchao's AdamW8bit compiles every parameter shape with torch.compile on CPU (tw
 Neither library's own state dict survives FSDP's gathering (bitsandbytes hides its per-shard quantisation state in
 a nested dict that FSDP then finds different on every rank), so AdamW8bit here converts its state.
 
-The state dict (what checkpoints hold) has, per parameter, only fp32 tensors of the parameter's shape (FSDP gathers
-and re-shards nothing else, and all of one dtype), so it is gathered like torch AdamW's: `step`, `exp_avg` and
-`exp_avg_sq` (the moments, exactly the values the 8-bit step dequantizes, code x block scale: torch AdamW's own
-keys, so a checkpoint moves between adamw and adamw_8bit), plus each element's block scale (`absmax1`, `absmax2`;
--1 where the shard keeps fp32 moments, as bitsandbytes does below min_8bit_size elements): 16 bytes per parameter
-on disk, twice torch AdamW's. Loading recovers codes (the nearest code to moment / scale) and scales exactly when
-the blocks line up as they were saved (same world size and sharding: the resume is bitwise); otherwise (another
-world size, or a torch AdamW checkpoint) the moments are quantised afresh.
+Checkpoints hold the quantised state itself (codes, block scales and where the blocks start: ~2 bytes per
+parameter), gathered and scattered one parameter at a time by gather_full / load_full (full format) and
+sharded_state / load_sharded_state (DCP): see "quantised checkpoint state" below and docs/optimizers.md.
+
+state_dict() (torch's machinery: FSDP.optim_state_dict, DCP's get_state_dict, DeepSpeed) still gives, per
+parameter, only fp32 tensors of the parameter's shape (FSDP gathers and re-shards nothing else, and all of one
+dtype): `step`, `exp_avg` and `exp_avg_sq` (the moments the 8-bit step dequantizes, code x block scale: torch
+AdamW's own keys) plus each element's block scale (`absmax1`, `absmax2`; -1 where the shard keeps fp32 moments, as
+bitsandbytes does below min_8bit_size elements): 16 bytes per parameter, the layout checkpoints held before.
+load_state_dict takes it (and torch AdamW's) back: codes (the nearest code to moment / scale) and scales are
+recovered when the blocks line up as they were saved; otherwise the moments are quantised afresh.
 
 FSDP2 (fully_shard): bitsandbytes' kernels refuse DTensors, so ShardedAdamW8bit steps each parameter's local shard
-(to_local() shares its storage) and returns the same state dict with DTensors placed like the parameter, which DCP
-shards (save_format=sharded) or gathers (full) as it does torch AdamW's moments.
+(to_local() shares its storage); its checkpoints take each rank's row shard as one segment of the flattened
+parameter, and its state_dict() is the fp32-moment layout above as DTensors placed like the parameter.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def build_adamw_8bit(cfg, params) -> torch.optim.Optimizer:
             return p.numel() >= self.args.min_8bit_size  # type: ignore[attr-defined]
 
         def _native(self, st: dict, p: torch.Tensor) -> dict:
+            if Q8 in st:  # the quantised state of the whole parameter (one process, this bitsandbytes' code books)
+                return native_from_quantised(self, st, qmaps(self), p, 0)
             return self._native_local(st, p, self._eight_bit(p))
 
         def _native_local(self, st: dict, p: torch.Tensor, eight_bit: bool) -> dict:
@@ -229,3 +234,295 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()
     return total
+
+
+# ----------------------------------------------------------------------------------- quantised checkpoint state
+# What checkpoints of adamw_8bit hold per parameter (FQN-keyed, like torch AdamW's): bitsandbytes' own codes and
+# block scales, ~2 bytes per parameter. The blocks of 256 start where each rank's elements start (FSDP1's flat
+# shards, FSDP2's row shards), so the saved layout is described, not assumed: `q8_block_start` holds each block's
+# first element in the flattened parameter (a block ends where the next starts); a block of absmax -1 is a shard
+# that kept fp32 moments (bitsandbytes below min_8bit_size), whose values are in `q8_fp32`. Loading into the same
+# layout copies codes and scales (bitwise resume); into another one it dequantises the rank's elements and
+# quantises them afresh. FSDP's and DCP's optimizer gathering want tensors of the parameter's shape and one dtype
+# per FSDP unit, so these functions gather (and scatter) the state themselves, one parameter at a time.
+Q8 = "q8_codes"  # the key that marks a quantised per-parameter state: uint8 [2, *shape], the codes of both moments
+QMAP = "q8_qmap"  # the state dict's code books [2, 256] (one copy, next to "state" and "param_groups")
+
+
+def is_8bit(optimizer) -> bool:
+    """Whether optimizer is this module's AdamW8bit (checkpoints take its quantised state)."""
+    return hasattr(optimizer, "_native_local")
+
+
+def holds_quantised(optim_sd: dict | None) -> bool:
+    """Whether a full (FQN-keyed) optimizer state dict holds the quantised state (else fp32 moments, or nothing)."""
+    return optim_sd is not None and any(Q8 in st for st in optim_sd.get("state", {}).values())
+
+
+def _layout(module: torch.nn.Module, optimizer) -> list[tuple[str, torch.Tensor, int, torch.Size]]:
+    """(name, parameter, offset of this rank's elements in the flattened parameter, full shape) per optimizer
+    parameter in param_groups order: FSDP1 (use_orig_params: a parameter is this rank's slice of its flat shard),
+    FSDP2 (DTensor row shards) or a plain parameter (all of it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    from grpo_dist.engines.base import clean_name
+    names = {id(p): clean_name(n) for n, p in module.named_parameters()}
+    flat: dict[int, tuple[int, torch.Size]] = {}
+    for unit in FSDP.fsdp_modules(module):
+        handle = getattr(unit, "_handle", None)
+        if handle is not None:
+            fp = handle.flat_param
+            for p, info, shape in zip(fp._params, fp._shard_param_infos, fp._shapes):
+                flat[id(p)] = (info.intra_param_start_idx if info.in_shard else 0, torch.Size(shape))
+    out = []
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        if id(p) in flat:
+            offset, shape = flat[id(p)]
+        elif isinstance(p, DTensor):
+            offset, shape = _row_offset(p), p.shape
+        else:
+            offset, shape = 0, p.shape
+        out.append((names[id(p)], p, offset, shape))
+    return out
+
+
+def _row_offset(p) -> int:
+    """The flat offset of a DTensor's local shard (fully_shard: rows of dim 0)."""
+    import math
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"adamw_8bit checkpoints need parameters sharded on dim 0, not {p.placements}")
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] * math.prod(p.shape[1:])
+
+
+def _segment(st: dict, offset: int) -> dict:
+    """This rank's state of one parameter in host memory: codes [2, n], block starts, scales [2, blocks], fp32
+    moments [2, m] (a shard that kept them: one block of absmax -1)."""
+    s1, s2 = st["state1"].flatten(), st["state2"].flatten()
+    n = s1.numel()
+    if s1.dtype == torch.uint8:
+        codes, fp32 = torch.stack([s1, s2]).cpu(), torch.empty(2, 0)
+        starts = offset + torch.arange(0, n, BLOCK, dtype=torch.long)
+        absmax = torch.stack([st["absmax1"].float(), st["absmax2"].float()]).cpu()
+    else:
+        codes, fp32 = torch.zeros(2, n, dtype=torch.uint8), torch.stack([s1, s2]).float().cpu()
+        starts = torch.tensor([offset] if n else [], dtype=torch.long)
+        absmax = torch.full((2, len(starts)), -1.0)
+    return {"step": float(st["step"]), "offset": offset, "codes": codes, "starts": starts, "absmax": absmax,
+            "fp32": fp32}
+
+
+def _merge(segments: list, shape: torch.Size | None) -> dict | None:
+    """One parameter's quantised state from every rank's segment (None: no rank holds state for it); shape None:
+    adjacent segments of a part of it, from the first one's offset."""
+    segs = sorted((s for s in segments if s is not None), key=lambda s: s["offset"])
+    if not segs:
+        return None
+    codes = torch.cat([s["codes"] for s in segs], 1)
+    if shape is not None and codes.shape[1] != shape.numel():
+        raise RuntimeError(f"adamw_8bit state covers {codes.shape[1]} of the parameter's {shape.numel()} elements")
+    return {"step": torch.tensor(float(segs[0]["step"])), Q8: codes.reshape(2, *(shape or (-1,))),
+            "q8_block_start": torch.cat([s["starts"] for s in segs]),
+            "q8_absmax": torch.cat([s["absmax"] for s in segs], 1), "q8_fp32": torch.cat([s["fp32"] for s in segs], 1)}
+
+
+def _block_ends(q: dict, end: int) -> torch.Tensor:
+    starts = q["q8_block_start"]
+    return torch.cat([starts[1:], torch.tensor([end], dtype=torch.long)])
+
+
+def dequantised_range(q: dict, qmap: torch.Tensor, offset: int, n: int, lo: int = 0) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """fp32 moments (qmap[k][code] x block scale, or the kept fp32 value) of elements [offset, offset + n) of a
+    parameter whose quantised state q covers elements [lo, lo + its codes)."""
+    codes, starts, absmax, fp32 = q[Q8].reshape(2, -1), q["q8_block_start"], q["q8_absmax"], q["q8_fp32"]
+    ends = _block_ends(q, lo + codes.shape[1])
+    idx = torch.arange(offset, offset + n, dtype=torch.long)
+    blk = torch.searchsorted(starts, idx, right=True) - 1
+    kept = absmax[0] < 0
+    lengths = ends - starts
+    before = torch.cumsum(lengths * kept, 0) - lengths * kept  # fp32 elements of the blocks before each block
+    pos = (before[blk] + idx - starts[blk]).clamp(0, max(fp32.shape[1] - 1, 0))
+    out = []
+    for k in range(2):
+        value = qmap[k].float()[codes[k, idx - lo].long()] * absmax[k, blk].clamp(min=0)
+        out.append(torch.where(kept[blk], fp32[k][pos], value) if fp32.shape[1] else value)
+    return out[0], out[1]
+
+
+def _fp32_position(q: dict, i0: int, end: int) -> int:
+    """Where block i0's elements start in q8_fp32 (the fp32 blocks before it, in order)."""
+    lengths = _block_ends(q, end) - q["q8_block_start"]
+    return int((lengths[:i0] * (q["q8_absmax"][0, :i0] < 0)).sum())
+
+
+def qmaps(optimizer) -> torch.Tensor:
+    """bitsandbytes' code books of the two moments ([2, 256] in host memory): what a code means, saved with the
+    codes (a later bitsandbytes with other code books then re-quantises instead of copying)."""
+    if "dynamic" not in optimizer.name2qmap:
+        optimizer.fill_qmap()
+    return torch.stack([optimizer.name2qmap["dynamic"], optimizer.name2qmap["udynamic"]]).float().cpu()
+
+
+def native_from_quantised(optimizer, q: dict, qmap: torch.Tensor, p: torch.Tensor, offset: int, lo: int = 0) -> dict:
+    """bitsandbytes' state for this rank's elements of p (offset in the flattened parameter) from the quantised
+    state q (covering elements from lo; codes of the code books qmap): codes and scales copied where the saved
+    blocks are this rank's blocks, else dequantised and quantised afresh (another world size)."""
+    local = _local(p)
+    n, eight_bit, step = local.numel(), optimizer._eight_bit(p), int(float(q["step"]))
+    mine = qmaps(optimizer)
+    starts, absmax, codes = q["q8_block_start"], q["q8_absmax"], q[Q8].reshape(2, -1)
+    end = lo + codes.shape[1]
+    ends = _block_ends(q, end)
+    i0 = int(torch.searchsorted(starts, torch.tensor(offset)))
+    dev, shape = local.device, local.shape
+    if n and eight_bit and torch.equal(qmap.float(), mine):
+        nb, sel = -(-n // BLOCK), slice(i0, i0 + -(-n // BLOCK))
+        if starts[sel].numel() == nb and torch.equal(starts[sel], offset + torch.arange(0, n, BLOCK)) \
+                and int(ends[i0 + nb - 1]) == offset + n and bool((absmax[:, sel] >= 0).all()):
+            a = offset - lo
+            return {"step": step, "qmap1": optimizer.name2qmap["dynamic"].to(dev),
+                    "qmap2": optimizer.name2qmap["udynamic"].to(dev),
+                    "state1": codes[0, a:a + n].reshape(shape).to(dev).clone(),
+                    "state2": codes[1, a:a + n].reshape(shape).to(dev).clone(),
+                    "absmax1": absmax[0, sel].to(dev).clone(), "absmax2": absmax[1, sel].to(dev).clone()}
+    if n and not eight_bit and i0 < len(starts) and int(starts[i0]) == offset and int(ends[i0]) == offset + n \
+            and float(absmax[0, i0]) < 0:
+        j = _fp32_position(q, i0, end)
+        return {"step": step, "state1": q["q8_fp32"][0, j:j + n].reshape(shape).to(dev).clone(),
+                "state2": q["q8_fp32"][1, j:j + n].reshape(shape).to(dev).clone()}
+    m, v = dequantised_range(q, qmap, offset, n, lo)
+    return optimizer._native_local({"step": step, "exp_avg": m, "exp_avg_sq": v}, local, eight_bit)
+
+
+def gather_full(module: torch.nn.Module, optimizer) -> dict | None:
+    """Collective: the optimizer's full quantised state dict ({"state": {name: quantised state}, "param_groups"})
+    on rank 0 (None elsewhere), gathered one parameter at a time into host memory."""
+    from grpo_dist import distributed as gdist
+    layout = _layout(module, optimizer)
+    state = {}
+    for name, p, offset, shape in layout:
+        st = optimizer.state.get(p)
+        # a rank with none of p's elements (FSDP1) may hold a state of empty tensors: nothing to save, nor its step
+        segments = gdist.gather_object(_segment(st, offset) if st and _local(p).numel() else None)
+        if segments is not None:
+            q = _merge(segments, shape)
+            if q is not None:
+                state[name] = q
+    if gdist.group_size() > 1 and torch.distributed.get_rank() != 0:
+        return None
+    names = iter(name for name, *_ in layout)
+    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[next(names) for _ in g["params"]])
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups, QMAP: qmaps(optimizer)}
+
+
+def load_full(module: torch.nn.Module, optimizer, optim_sd: dict | None, broadcast: bool) -> None:
+    """Collective when broadcast (rank 0 holds optim_sd, the others None: sent one parameter at a time): the
+    quantised state dict of gather_full into this rank's optimizer."""
+    from grpo_dist import distributed as gdist
+    head = ([{k: v for k, v in g.items() if k != "params"} for g in optim_sd["param_groups"]], optim_sd[QMAP]) \
+        if optim_sd else None
+    if broadcast:
+        head = gdist.broadcast_object(head)
+    assert head is not None, "load_full without a state dict on rank 0"
+    groups, qmap = head
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError("loaded optimizer state has different parameter groups")
+    for g, saved in zip(optimizer.param_groups, groups):
+        g.update(saved)
+    optimizer.state.clear()
+    for name, p, offset, _ in _layout(module, optimizer):
+        q = optim_sd["state"].get(name) if optim_sd else None
+        if broadcast:
+            q = gdist.broadcast_object(q)
+        if q is not None and _local(p).numel():  # none of p's elements here (FSDP1): no state, as gather_full
+            optimizer.state[p] = native_from_quantised(optimizer, q, qmap, p, offset)
+
+
+def dequantised(optim_sd: dict, groups: list[dict]) -> dict:
+    """A quantised full state dict as torch AdamW's (step, exp_avg, exp_avg_sq of the parameter's shape): what
+    optimizer=adamw loads from an adamw_8bit checkpoint. groups: that optimizer's param_groups, whose options
+    are kept where bitsandbytes' groups have none of the same name."""
+    state = {}
+    for name, q in optim_sd["state"].items():
+        shape = q[Q8].shape[1:]
+        m, v = dequantised_range(q, optim_sd[QMAP], 0, shape.numel())
+        state[name] = {"step": q["step"].float(), "exp_avg": m.reshape(shape), "exp_avg_sq": v.reshape(shape)}
+    mine = [{k: saved.get(k, v) for k, v in g.items() if k != "params"} for g, saved in
+            zip(groups, optim_sd["param_groups"])]
+    return {"state": state, "param_groups": [dict(g, params=saved["params"]) for g, saved in
+                                             zip(mine, optim_sd["param_groups"])]}
+
+
+# Sharded (DCP) checkpoints: every rank writes its own segments (codes, block starts and scales, as in _segment)
+# under SHARDED/<name>@<offset>/; a rank loads the saved segments that overlap its elements (the metadata lists
+# them): its own one when the layout is unchanged (bitwise), its neighbours' parts otherwise (re-quantised).
+SHARDED = "optim8bit"
+HEAD = "optim8bit_head"  # param_groups (without params) and the code books
+
+
+def sharded_state(module: torch.nn.Module, optimizer) -> dict:
+    """This rank's quantised optimizer state as DCP entries (no collective; host memory, one parameter at a time)."""
+    segments = {}
+    for name, p, offset, _ in _layout(module, optimizer):
+        st = optimizer.state.get(p)
+        if st and _local(p).numel():
+            seg = _segment(st, offset)
+            segments[f"{name}@{offset}"] = {k: seg[k] if k != "step" else torch.tensor(seg[k])
+                                            for k in ("step", "codes", "starts", "absmax", "fp32")}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {SHARDED: segments, HEAD: {"groups": groups, "qmap": qmaps(optimizer)}}
+
+
+def sharded_holds_quantised(metadata: dict) -> bool:
+    """Whether a DCP checkpoint's state_dict_metadata holds adamw_8bit's quantised optimizer state."""
+    return any(k.startswith(HEAD + ".") for k in metadata)
+
+
+def _saved_segments(metadata: dict) -> dict[str, dict[int, dict]]:
+    """{name: {offset: {field: (size, dtype)}}} of the segments a DCP checkpoint holds."""
+    out: dict[str, dict[int, dict]] = {}
+    for key, md in metadata.items():
+        if key.startswith(SHARDED + "."):
+            where, field = key[len(SHARDED) + 1:].rsplit(".", 1)
+            name, offset = where.rsplit("@", 1)
+            out.setdefault(name, {}).setdefault(int(offset), {})[field] = (md.size, md.properties.dtype)
+    return out
+
+
+def sharded_template(module: torch.nn.Module, optimizer, metadata: dict) -> dict:
+    """The DCP entries this rank loads: the saved segments that overlap its elements of each parameter."""
+    saved = _saved_segments(metadata)
+    segments = {}
+    for name, p, offset, _ in _layout(module, optimizer):
+        n = _local(p).numel()
+        for start, fields in saved.get(name, {}).items():
+            if n and start < offset + n and start + fields["codes"][0][1] > offset:
+                segments[f"{name}@{start}"] = {f: torch.empty(size, dtype=dtype) for f, (size, dtype) in
+                                               fields.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]  # DCP fills them in
+    return {SHARDED: segments, HEAD: {"groups": groups, "qmap": torch.empty(2, 256)}}
+
+
+def load_sharded_state(module: torch.nn.Module, optimizer, loaded: dict) -> None:
+    """sharded_template's entries, read by DCP, into this rank's optimizer (no collective)."""
+    groups = loaded[HEAD]["groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError("loaded optimizer state has different parameter groups")
+    for g, saved in zip(optimizer.param_groups, groups):
+        g.update(saved)
+    by_name: dict[str, list] = {}
+    for key, seg in loaded[SHARDED].items():
+        name, offset = key.rsplit("@", 1)
+        by_name.setdefault(name, []).append(dict(seg, offset=int(offset)))
+    optimizer.state.clear()
+    for name, p, offset, _ in _layout(module, optimizer):
+        q = _merge(by_name.get(name, []), None)
+        if q is not None:
+            lo = min(s["offset"] for s in by_name[name])
+            optimizer.state[p] = native_from_quantised(optimizer, q, loaded[HEAD]["qmap"], p, offset, lo)

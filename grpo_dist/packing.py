@@ -76,6 +76,7 @@ class AttentionRows:
             flat += len(part) * size
         self.owner = owner.to(device)
         self.shared, self.consumed = shared, 0
+        self.unmasked = False  # set by _run_packed: the forward's block-diagonal mask was not built
 
     @property
     def calls(self) -> int:
@@ -130,6 +131,8 @@ def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     why = _rows_reason(query, key, kwargs)
+    if why is not None and plan.unmasked:  # _run_packed's promise broken: no mask to fall back on
+        raise RuntimeError(f"packed attention: {why}, and transformers' block-diagonal mask was not built")
     if why is not None and not plan.shared:  # transformers' block-diagonal mask from the position_ids is right
         _say_once(f"[grpo_dist] packed attention: {why}; this layer runs transformers' sdpa with its dense "
                   f"block-diagonal mask")
@@ -263,13 +266,25 @@ def _packed_inputs(packed: PackedRows) -> dict:
                 max_length_q=packed.max_length, max_length_k=packed.max_length, **{PLAN_KWARG: packed.plan})
 
 
+# The attention_mask of a packed forward whose every layer runs rows_attention (sdpa, no sliding window): a 4-D
+# mask is what transformers' create_causal_mask hands back as it is, so the [T, T] block-diagonal mask it would
+# build from the position_ids (O(T^2) work and a host sync per forward) is never built; nothing reads it.
+_UNREAD_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
 def _run_packed(model, packed: PackedRows):
     install_sdpa_packed()
     seen = packed.plan.consumed
-    out = model(**_packed_inputs(packed))
-    if packed.plan.shared and packed.plan.consumed == seen:  # the attention never read the plan
-        raise RuntimeError(f"share_prompts: {type(model).__name__}'s attention did not run grpo_dist's sdpa "
-                           f"function, so shared prompts would be attended wrongly; set share_prompts=false")
+    inputs = _packed_inputs(packed)
+    unread = share_prompts_reason(model) is None  # sdpa without a sliding window: every layer reads the plan
+    if unread:
+        inputs["attention_mask"] = _UNREAD_MASK
+    packed.plan.unmasked = unread
+    out = model(**inputs)
+    if packed.plan.consumed == seen and (packed.plan.shared or unread):  # the attention never read the plan
+        what = "shared prompts" if packed.plan.shared else "packed rows"
+        raise RuntimeError(f"{type(model).__name__}'s attention did not run grpo_dist's sdpa function, so "
+                           f"{what} would be attended wrongly; set share_prompts=false and padding_free=false")
     return out
 
 

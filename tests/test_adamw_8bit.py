@@ -118,22 +118,194 @@ def _straight_and_resumed(rank, world, tmp):
     tr = resume_trainer(base + [f"output_dir={tmp / 'a'}"])
     assert tr.train() == 0
     share = _eight_bit_shares(tr.engine.optimizer)
-    tr = resume_trainer(base + [f"output_dir={tmp / 'b'}", f"resume_from_checkpoint={tmp / 'a' / 'checkpoint-1'}"])
+    # b: from a's full checkpoint, writing sharded (DCP) ones; c: from b's sharded checkpoint-2, writing full ones
+    tr = resume_trainer(base + [f"output_dir={tmp / 'b'}", f"resume_from_checkpoint={tmp / 'a' / 'checkpoint-1'}",
+                                "save_format=sharded"])
+    assert tr.train() == 0
+    tr = resume_trainer(base + [f"output_dir={tmp / 'c'}", f"resume_from_checkpoint={tmp / 'b' / 'checkpoint-2'}"])
     assert tr.train() == 0
     return share
 
 
-@pytest.mark.slow  # 2 spawned gloo ranks, 3 + 2 steps: ~40 s
+@pytest.mark.slow  # 2 spawned gloo ranks, 3 + 2 + 1 steps: ~45 s
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_is_bitwise(tmp_path, world):
-    """3 steps straight vs 1 step, a full checkpoint, and 2 more from it: weights, optimizer state (codes, block
-    scales) and trainer state equal bit for bit."""
+    """3 steps straight vs 1 step, a full checkpoint, 1 more step, a sharded (DCP) checkpoint, and 1 more from it:
+    weights, optimizer state (codes, block scales: gathered from 2 ranks' FSDP shards and scattered back, or each
+    rank's own in the DCP directory) and trainer state equal bit for bit."""
     assert RESUME_BASE  # the tiny trainer of the resume tests, widened
     share = run_ranks(_straight_and_resumed, world, tmp_path, tmp_path, timeout=900)[0]
     assert share > 0.85
     a = checkpoint_state(tmp_path / "a" / "checkpoint-3")
-    b = checkpoint_state(tmp_path / "b" / "checkpoint-3")
+    b = checkpoint_state(tmp_path / "c" / "checkpoint-3")
+    import torch.distributed.checkpoint as dcp
+
+    from grpo_dist.optim8bit import sharded_holds_quantised
+    metadata = dcp.FileSystemReader(str(tmp_path / "b" / "checkpoint-2" / "sharded")).read_metadata()
+    assert sharded_holds_quantised(metadata.state_dict_metadata)  # each rank's codes and scales, not fp32 moments
     optim = a[1]["state"]
-    assert any(bool((st["absmax1"] >= 0).all()) for st in optim.values())  # 8-bit moments were saved
+    assert any(st["q8_codes"].dtype == torch.uint8 and bool((st["q8_absmax"] >= 0).all())
+               for st in optim.values())  # the 8-bit codes and scales were saved
     tensors_equal(a, b, f"world {world}")
-    assert os.path.isfile(tmp_path / "b" / "checkpoint-3" / "optimizer.pt")
+    assert os.path.isfile(tmp_path / "c" / "checkpoint-3" / "optimizer.pt")
+
+
+# ----------------------------------------------------------------------------------- quantised checkpoint state
+def _cfg():
+    from types import SimpleNamespace
+    return SimpleNamespace(learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                           weight_decay=0.01)
+
+
+def _stepped(params, grads, steps=2):
+    from grpo_dist.optim8bit import build_adamw_8bit
+    opt = build_adamw_8bit(_cfg(), params)
+    for s in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g * (s + 1)
+        opt.step()
+    return opt
+
+
+def _tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+@pytest.mark.fast
+def test_checkpoint_state_is_the_codes_and_scales_and_resumes_bitwise():
+    """One process: gather_full (what optimizer.pt holds) is bitsandbytes' codes (1 byte per moment) plus one
+    fp32 scale and block start per 256 elements: < 2.2 bytes per parameter of an 8-bit matrix (the fp32 moments
+    and per-element scales it replaced: 16). Loaded into a fresh optimizer: the same codes, scales and steps, and
+    the next step equal bit for bit."""
+    from grpo_dist.optim8bit import Q8, gather_full, load_full
+    torch.manual_seed(0)
+    model = torch.nn.Linear(96, 100)  # weight 9600 elements (8-bit: 37 blocks, the last short), bias 100 (fp32)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    opt = _stepped(list(model.parameters()), grads)
+    sd = gather_full(model, opt)
+    weight = sd["state"]["weight"]
+    assert weight[Q8].dtype == torch.uint8 and weight[Q8].shape == (2, 100, 96)
+    assert _tensor_bytes(weight) / 9600 < 2.2 and _tensor_bytes(opt.state_dict()["state"][0]) / 9600 == 16.0 + 4 / 9600
+    assert weight["q8_block_start"].tolist() == list(range(0, 9600, 256))
+    assert float(sd["state"]["bias"]["q8_absmax"][0, 0]) == -1  # bias: kept fp32 moments, exact
+    twin = torch.nn.Linear(96, 100)
+    twin.load_state_dict(model.state_dict())
+    fresh = _stepped(list(twin.parameters()), grads, steps=0)
+    load_full(twin, fresh, torch.load(_saved(sd), weights_only=False), broadcast=False)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        tensors_equal(fresh.state[q], opt.state[p], "loaded state")
+    for o, m in ((opt, model), (fresh, twin)):
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+        o.step()
+    tensors_equal(dict(twin.named_parameters()), dict(model.named_parameters()), "the step after the load")
+
+
+def _saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.fast
+def test_quantised_state_moves_between_shard_layouts():
+    """FSDP1's flat shards cut a parameter anywhere: 2 'ranks' hold elements [0, 5000) (8-bit, blocks from 0) and
+    [5000, 8192) (3192 < 4096 elements: fp32 moments). Merged, the state loads back into each half bit for bit;
+    into the whole parameter (1 rank) it is the moments qmap[code] x scale of the first half's blocks and the
+    second half's fp32 values, quantised afresh; optimizer=adamw takes those moments (dequantised)."""
+    from grpo_dist.optim8bit import QMAP, _merge, _segment, dequantised, dequantised_range, native_from_quantised
+    torch.manual_seed(1)
+    full, grad = torch.randn(64, 128), torch.randn(64, 128)
+    halves = [torch.nn.Parameter(full.flatten()[a:b].clone()) for a, b in ((0, 5000), (5000, 8192))]
+    opt = _stepped(halves, [grad.flatten()[:5000], grad.flatten()[5000:]])
+    st0, st1 = opt.state[halves[0]], opt.state[halves[1]]
+    assert st0["state1"].dtype == torch.uint8 and st1["state1"].dtype == torch.float32
+    qmaps = torch.stack([st0["qmap1"], st0["qmap2"]]).float()
+    q = torch.load(_saved(_merge([_segment(st1, 5000), None, _segment(st0, 0)], full.shape)),
+                   weights_only=False)
+    for p, offset in zip(halves, (0, 5000)):  # the same layout: bitwise
+        tensors_equal(native_from_quantised(opt, q, qmaps, p, offset), opt.state[p], f"half at {offset}")
+    m, v = dequantised_range(q, qmaps, 0, 8192)
+    scale1 = st0["absmax1"].repeat_interleave(256)[:5000]
+    scale2 = st0["absmax2"].repeat_interleave(256)[:5000]
+    torch.testing.assert_close(m, torch.cat([st0["qmap1"][st0["state1"].long()] * scale1, st1["state1"]]),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(v, torch.cat([st0["qmap2"][st0["state2"].long()] * scale2, st1["state2"]]),
+                               rtol=0, atol=0)
+    whole = torch.nn.Parameter(full.clone())
+    one = _stepped([whole], [grad], steps=0)
+    st = native_from_quantised(one, q, qmaps, whole, 0)  # another layout: quantised afresh from those moments
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 32
+    again = st["qmap1"][st["state1"].long()].flatten() * st["absmax1"].repeat_interleave(256)
+    assert float((again - m).abs().max()) <= 0.02 * float(m.abs().max())
+    dense = dequantised({"state": {"w": q}, "param_groups": [], QMAP: qmaps}, [])["state"]["w"]
+    assert dense["exp_avg"].shape == full.shape and torch.equal(dense["exp_avg_sq"].flatten(), v)
+
+
+def _older_checkpoints(rank, world, tmp):
+    """One process: a sharded checkpoint in the fp32-moment layout adamw_8bit wrote before (get_state_dict's, as
+    _legacy_sharded_state writes it) and a quantised one; what adamw_8bit and adamw make of each."""
+    import torch.distributed.checkpoint as dcp
+
+    from grpo_dist.distributed import init_distributed
+    from grpo_dist.optim8bit import QMAP, dequantised_range
+    from grpo_dist.trainer import GRPOTrainer
+    ctx = init_distributed(60)
+    batch, rewards = fixed_rollout()
+
+    def trainer(name):
+        return GRPOTrainer(load_config(None, EQUIV_BASE + [WIDE, f"optimizer={name}", f"prompts_per_rank={PROMPTS}",
+                                                           "output_dir=/tmp/unused", "micro_batch_size=4"]), ctx)
+    tr = trainer("adamw_8bit")
+    tr.learn(batch, rewards)
+    dcp.save(tr.engine._legacy_sharded_state(), checkpoint_id=str(tmp / "legacy"))
+    tr.engine.save_sharded(tmp / "quantised")
+    names = {id(p): n for n, p in tr.engine.module.named_parameters()}
+    want = {names[id(p)]: st for p, st in tr.engine.optimizer.state.items()}
+    again = trainer("adamw_8bit")
+    again.engine.load_sharded(tmp / "legacy")  # fp32 moments and per-element scales: codes and scales recovered
+    got = {n: again.engine.optimizer.state[p] for n, p in again.engine.module.named_parameters()}
+    assert set(got) == set(want)
+    for n, st in got.items():  # a block of scale 0 (embedding rows no token used) is zeros under any code
+        tensors_equal(_moments(st), _moments(want[n]), f"from the fp32-moment layout: {n}")
+    plain = trainer("adamw")
+    with pytest.raises(ValueError) as e:
+        plain.engine.load_sharded(tmp / "quantised")
+    message = str(e.value)
+    model_sd, optim_sd = tr.engine.gather_full_state()
+    plain.engine.load_full_state(model_sd, optim_sd)  # optimizer=adamw from the quantised full state: dequantised
+    q, p = optim_sd["state"]["model.layers.0.mlp.up_proj.weight"], plain.engine.module.model.layers[0].mlp.up_proj
+    m, v = dequantised_range(q, optim_sd[QMAP], 0, p.weight.numel())
+    st = plain.engine.optimizer.state[p.weight]
+    return message, torch.equal(st["exp_avg"].flatten(), m), torch.equal(st["exp_avg_sq"].flatten(), v)
+
+
+def _moments(st: dict) -> dict:
+    """A bitsandbytes state as the moments its step reads (qmap[code] x block scale), its scales and step."""
+    if st["state1"].dtype != torch.uint8:
+        return st
+    out = {"step": st["step"], "absmax1": st["absmax1"], "absmax2": st["absmax2"]}
+    for k in ("1", "2"):
+        scale = st[f"absmax{k}"].repeat_interleave(256)[:st[f"state{k}"].numel()]
+        out[f"moment{k}"] = st[f"qmap{k}"][st[f"state{k}"].long()].flatten() * scale
+    return out
+
+
+@pytest.mark.slow  # 1 spawned process: ~10 s
+def test_older_and_other_optimizer_checkpoints(tmp_path):
+    """adamw_8bit loads its earlier sharded layout (fp32 moments + per-element scales): the same moments, scales and
+    steps (codes too, but in blocks of scale 0, where every code means 0); optimizer=adamw
+    takes a quantised full state as its dequantised moments (qmap[code] x block scale) and refuses a quantised
+    sharded one with one line naming why."""
+    message, m_equal, v_equal = run_ranks(_older_checkpoints, 1, tmp_path, tmp_path, timeout=600)[0]
+    assert message == (f"{tmp_path / 'quantised'} holds optimizer=adamw_8bit's quantised optimizer state, which "
+                       "optimizer=adamw cannot load from a sharded checkpoint; resume with optimizer=adamw_8bit")
+    assert m_equal and v_equal

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from grpo_dist import distributed as gdist
+from grpo_dist import optim8bit
 from grpo_dist.engines.base import clean_name
 from grpo_dist.engines.torch_engine import TorchEngine
 from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, fill_from_rank0, load_on_rank0_only,
@@ -178,8 +179,9 @@ class FSDPEngine(TorchEngine):
             model_sd = self.module.state_dict()
             # torch 2.13's FSDP.optim_state_dict leaves an empty state empty; guarded as DCP's calls are
             with self._optimizer_kept_unstarted() as unstarted:
-                optim_sd = FSDP.optim_state_dict(self.module, self.optimizer, group=gdist.group())
-        if not self.ctx.is_main:
+                optim_sd = optim8bit.gather_full(self.module, self.optimizer) if optim8bit.is_8bit(self.optimizer) \
+                    else FSDP.optim_state_dict(self.module, self.optimizer, group=gdist.group())
+        if not self.ctx.is_main or optim_sd is None:
             return None, None
         if unstarted:
             optim_sd["state"] = {}

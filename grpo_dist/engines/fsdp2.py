@@ -196,15 +196,11 @@ class FSDP2Engine(TorchEngine):
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
         # full_state_dict + cpu_offload: gathered tensor by tensor into rank 0's host memory, nothing elsewhere
-        with self._optimizer_kept_unstarted() as unstarted:
-            model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
-                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model_sd, optim_sd = self._full_state_dicts(StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.ctx.is_main:
             return None, None
-        if unstarted:
-            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:

@@ -44,12 +44,8 @@ class LocalEngine(TorchEngine):
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def gather_full_state(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-        with self._optimizer_kept_unstarted() as unstarted:
-            model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
-                                                options=StateDictOptions(full_state_dict=True))
-        if unstarted:
-            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        model_sd, optim_sd = self._full_state_dicts(StateDictOptions(full_state_dict=True))
         return {clean_name(k): v for k, v in model_sd.items()}, optim_sd
 
     def load_full_state(self, model_state, optim_state) -> None:

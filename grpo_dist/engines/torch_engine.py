@@ -118,8 +118,19 @@ class TorchEngine(Engine):
         return True
 
     def _sharded_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        from grpo_dist import optim8bit
+        if optim8bit.is_8bit(self.optimizer):  # its codes and block scales, this rank's own (optim8bit.py)
+            return {"model": get_model_state_dict(self.module), **optim8bit.sharded_state(self.module, self.optimizer)}
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # this rank's shards, plain FQNs
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _legacy_sharded_state(self) -> dict:
+        """get_state_dict's model and optimizer entries (fp32 moments): what sharded checkpoints of adamw_8bit held
+        before its quantised state (optim8bit.sharded_state), and torch AdamW's."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     supports_async_save = True
@@ -151,15 +162,34 @@ class TorchEngine(Engine):
     def load_sharded(self, path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
+        from grpo_dist import optim8bit
         with _quiet_sharded_warnings():
-            state = self._sharded_state()  # the shapes and shards to read into
-            flagged = OPTIMIZER_STARTED in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            if flagged:  # checkpoints written before the flag have none (their state is what they hold)
+            metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            quantised = optim8bit.sharded_holds_quantised(metadata)
+            if quantised and not optim8bit.is_8bit(self.optimizer):
+                raise ValueError(f"{path} holds optimizer=adamw_8bit's quantised optimizer state, which "
+                                 f"optimizer={self.cfg.optimizer} cannot load from a sharded checkpoint; resume "
+                                 f"with optimizer=adamw_8bit")
+            # the shapes and shards to read into
+            if quantised:  # the saved segments that overlap this rank's elements
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+                state = {"model": get_model_state_dict(self.module),
+                         **optim8bit.sharded_template(self.module, self.optimizer, metadata)}
+            elif optim8bit.is_8bit(self.optimizer):  # fp32 moments (torch AdamW's, or adamw_8bit's before)
+                state = self._legacy_sharded_state()
+            else:
+                state = self._sharded_state()
+            if OPTIMIZER_STARTED in metadata:  # checkpoints written before the flag have none
                 state[OPTIMIZER_STARTED] = torch.tensor(1)
             dcp.load(state, checkpoint_id=str(path), process_group=gdist.group())
             started = bool(state.pop(OPTIMIZER_STARTED, torch.tensor(1)))
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            if quantised:
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+                set_model_state_dict(self.module, state["model"])
+                optim8bit.load_sharded_state(self.module, self.optimizer, state)
+            else:
+                set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
         if not started:
             self.optimizer.state.clear()  # saved before the first step: no state, as a fresh optimizer has
 
@@ -184,9 +214,13 @@ class TorchEngine(Engine):
         """Collective. Only rank 0 holds the dict: its answers (a state or none; stepped or not) are broadcast
         first, so that every rank makes the same set_optimizer_state_dict call, or none does."""
         from grpo_dist.distributed import broadcast_object
-        mine = (optim_state is not None, bool(optim_state and optim_state.get("state"))) if self.ctx.is_main else None
-        present, started = broadcast_object(mine)
-        if present:
+        from grpo_dist.optim8bit import holds_quantised
+        mine = (optim_state is not None, bool(optim_state and optim_state.get("state")),
+                holds_quantised(optim_state)) if self.ctx.is_main else None
+        present, started, quantised = broadcast_object(mine)
+        if quantised:  # adamw_8bit's codes and scales: sent one parameter at a time (optim8bit.load_full)
+            self._load_quantised(optim_state if self.ctx.is_main else None, started, opts, broadcast=True)
+        elif present:
             self._load_optimizer(optim_state if self.ctx.is_main else {}, started, opts)
 
     def _load_optimizer(self, optim_state: dict | None, started: bool, opts) -> None:
@@ -194,7 +228,43 @@ class TorchEngine(Engine):
         dict; `started` (the same on every rank) False for a state saved before the first step, which is emptied
         again after the load (set_optimizer_state_dict fills it first, as get_state_dict does)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        from grpo_dist.optim8bit import holds_quantised
+        if holds_quantised(optim_state):  # every rank holds the whole dict here
+            self._load_quantised(optim_state, started, opts, broadcast=False)
+            return
         set_optimizer_state_dict(self.module, self.optimizer, optim_state if optim_state is not None else {},
                                  options=opts)
         if not started:
             self.optimizer.state.clear()
+
+    def _load_quantised(self, optim_state: dict | None, started: bool, opts, broadcast: bool) -> None:
+        """Collective when broadcast (rank 0 holds the dict): adamw_8bit's quantised state into this optimizer;
+        optimizer=adamw takes it dequantised (fp32 moments, gathered on rank 0 as torch's loader wants them)."""
+        from grpo_dist import optim8bit
+        if not optim8bit.is_8bit(self.optimizer):
+            dense = optim8bit.dequantised(optim_state, self.optimizer.param_groups) if optim_state else None
+            if broadcast:
+                self._load_optimizer(dense if self.ctx.is_main else {}, started, opts)
+            else:
+                self._load_optimizer(dense, started, opts)
+            return
+        optim8bit.load_full(self.module, self.optimizer, optim_state, broadcast)
+        if not started:
+            self.optimizer.state.clear()
+
+    def _full_state_dicts(self, options) -> tuple[dict, dict | None]:
+        """get_state_dict of model and optimizer with `options` (full); adamw_8bit's optimizer state gathered as
+        its codes and block scales (optim8bit.gather_full, one parameter at a time) instead of fp32 moments."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        from grpo_dist import optim8bit
+        with self._optimizer_kept_unstarted() as unstarted:
+            if optim8bit.is_8bit(self.optimizer):
+                model_sd = get_model_state_dict(self.module, options=options)
+                optim_sd = optim8bit.gather_full(self.module, self.optimizer)
+            else:
+                model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
+        if unstarted and optim_sd is not None:
+            optim_sd["state"] = {}  # not the filler get_state_dict made: nothing, as before any step
+        return model_sd, optim_sd
