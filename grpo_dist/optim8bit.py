@@ -266,7 +266,7 @@ def _layout(module: torch.nn.Module, optimizer) -> list[tuple[str, torch.Tensor,
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
-    from grpo_dist.engines.base import clean_name
+    from grpo_dist.param_names import clean_name
     names = {id(p): clean_name(n) for n, p in module.named_parameters()}
     flat: dict[int, tuple[int, torch.Size]] = {}
     for unit in FSDP.fsdp_modules(module):

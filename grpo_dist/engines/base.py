@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import torch
 
+from grpo_dist.param_names import clean_name  # noqa: F401  (the engines import it from here)
+
 
 @dataclass
 class StepResult:
@@ -157,16 +159,6 @@ def copy_named_weights(replica: torch.nn.Module, weights) -> int:
     if missing:
         raise KeyError(f"weight sync: {len(missing)} replica parameters got no weights, e.g. {missing[0]!r}")
     return len(written)
-
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    """Parameter name as the plain HF model spells it (without FSDP / checkpoint wrapper prefixes)."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
 
 
 def checkpoint_layers(module: torch.nn.Module, layer_classes) -> None:
