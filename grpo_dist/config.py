@@ -24,6 +24,7 @@ import yaml
 from grpo_dist.config_sections.base import (MAX_PROBLEM_CHARS, ConfigError, _f, _one_bounded_line,  # noqa: F401
                                          _raise_all, clip, nearest_key_value, short)
 from grpo_dist.config_sections.data import DataConfig, data_config_problems
+from grpo_dist.config_sections.environment import EnvironmentConfig, environment_problems
 
 
 # k1 = logp - ref as a loss term: its expected gradient is E_pi[grad log pi] = 0 (the score function has mean 0),
@@ -407,6 +408,8 @@ class GRPOConfig:
     health: HealthConfig = _f(factory=HealthConfig, help="health monitor section (grpo_dist/health.py)")
     curriculum: CurriculumConfig = _f(factory=CurriculumConfig, help="difficulty-aware prompt sampling section "
                                       "(grpo_dist/curriculum.py)")
+    environment: EnvironmentConfig = _f(factory=EnvironmentConfig, help="multi-turn rollouts with tools "
+                                        "(grpo_dist/environments/, docs/tools.md); empty: single-turn")
     dry_run: bool = _f(False, "a few-second rehearsal of this config (grpo_dist/dry_run.py): num_generations=2, "
                        "8 prompts in all, 2 steps, no checkpoint, output in a temporary directory; prints the run "
                        "table, a completion per prompt, and whether the run can learn (exit 0) or not (exit 5)")
@@ -477,6 +480,7 @@ class GRPOConfig:
                        f"(data.max_prompt_length + max_completion_length = "
                        f"{self.data.max_prompt_length + self.max_completion_length}); raise it or null (off)")
         bad += self.async_problems()
+        bad += environment_problems(self)
         if self.log_completions < 0:
             bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {self.log_completions}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

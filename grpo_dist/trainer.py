@@ -47,6 +47,7 @@ from grpo_dist.data import (DataError, PromptSampler, load_examples, prompt_leng
                             truncate_long_prompts)
 from grpo_dist.decoder import prepare_replica
 from grpo_dist.engines import build_engine, shards_from_host
+from grpo_dist.environments import build_environment, step_metrics as environment_metrics
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.losses import LossSpec, grpo_loss, k3_kl, kl_estimate, truncated_is_weights, uses_sequence_normaliser
@@ -58,7 +59,7 @@ from grpo_dist.models import (MIXED_PRECISION_DTYPES, cast_parameters_, copy_in_
 from grpo_dist.rewards import RewardComputer
 from grpo_dist.rewards.batch import argument_problems, rollout_context
 from grpo_dist.rollout import RolloutBatch, concat_rollouts, cut_off, eos_token_ids
-from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, generate_batch, require_vllm,
+from grpo_dist.rollout_engines import (SamplingSpec, build_rollout_engine, require_vllm,
                                        rollout_dtype, tied_aliases)
 from grpo_dist.sampling_noise import row_seed, row_seeds
 from grpo_dist.sft import SFTBatch, SFTMixer, load_sft_examples
@@ -127,6 +128,7 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
+        self.environment = build_environment(cfg, self.tokenizer)  # single-turn unless config section environment
         self._check_prompt_lengths()  # prompts that lose their beginning: one warning, or refused (before models)
         self.sft = SFTMixer(cfg, ctx, self.tokenizer, sft_examples) if sft_examples else None  # SFT + RL
         # Pretrained weights on several ranks: rank 0 reads them, the others build on the meta device and get
@@ -551,6 +553,7 @@ class GRPOTrainer:
     def close(self) -> None:
         """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
         self.rollout_engine.close()
+        self.environment.close()
 
     def train_step(self) -> dict:
         """One step, the stages of the module docstring in order: rollout and grade (rounds of them with dynamic
@@ -577,6 +580,7 @@ class GRPOTrainer:
         metrics.update(self._reward_means(per_function))
         metrics.update(self._last_reward_errors)
         metrics.update(sampling)
+        metrics.update(environment_metrics(self.environment, self.ctx.device))  # tools/*: multi-turn only
         if self.curriculum is not None:
             metrics.update(self.curriculum.metrics(self.sampler.last_batch_number))
             if self._global_group_sizes is not None:  # the last round's plan, the same on every rank
@@ -691,13 +695,13 @@ class GRPOTrainer:
             prompts = [p for p, g in zip(prompts, self._group_sizes) for _ in range(g)]
             answers = [a for a, g in zip(answers, self._group_sizes) for _ in range(g)]
             n = 1
-        batch = generate_batch(self.rollout_engine, self.tokenizer, prompts, answers,
-                               self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
-                               cfg.data.max_prompt_length, self.ctx.device)
+        batch = self.environment.rollout(self.rollout_engine, self.tokenizer, prompts, answers,
+                                         self.sampling_spec(n=n, row_seeds=self._row_seeds(len(examples))),
+                                         cfg.data.max_prompt_length, self.ctx.device)
         self._prompts_cut += batch.prompts_truncated
         if batch.decode_row_steps is not None:
             self._decode_tokens[0] += batch.decode_row_steps
-            self._decode_tokens[1] += int(batch.completion_mask.sum())
+            self._decode_tokens[1] += int(batch.loss_mask.sum())  # the tokens the model generated
         return batch
 
     def _row_seeds(self, num_prompts: int) -> tuple[int, ...] | None:
@@ -783,7 +787,7 @@ class GRPOTrainer:
         seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=dev)
         for idx, r, p in zip(micro, ref, pol):
             if idx:
-                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
+                mask = batch.loss_mask[idx][:, :p.shape[1]].to(p.dtype)
                 seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
         shaped = rewards - cfg.beta * seq_kl.to(rewards.device)
         return shaped, seq_kl
@@ -822,7 +826,7 @@ class GRPOTrainer:
     def _step_normaliser(self, batch: RolloutBatch, rows: list[int]) -> float:
         """The loss's divisor for the whole optimizer step, over all micro-batches and ranks (one all-reduce): the
         trained sequences or tokens, as loss_type says. 0 when no rank trains a row."""
-        lengths = batch.completion_lengths
+        lengths = batch.loss_mask.sum(-1)  # the model's tokens (multi-turn: observations are not trained on)
         local = float(len(rows)) if uses_sequence_normaliser(self.cfg.loss_type) else float(lengths[rows].sum())
         return float(gdist.all_reduce_sum([local], self.ctx.device)[0])
 
@@ -992,12 +996,12 @@ class GRPOTrainer:
         logp, entropy = completion_log_probs(self.engine.module, mb, packed, self._tokens["train"], cfg.temperature,
                                              cfg.logprob_chunk_size, want)  # [rows, C]
         if first and entropy is not None:
-            sums["entropy"] += (entropy.detach() * mb.completion_mask).sum()
+            sums["entropy"] += (entropy.detach() * mb.loss_mask).sum()
         c = logp.shape[1]
         old = old_logp[:, :c] if old_logp is not None else logp.detach()  # stale rollouts: the proximal policy
         ref = ref_logp[:, :c] if ref_logp is not None else None
         is_weights = self._sampler_terms(mb, old, sums if first else None)
-        terms = grpo_loss(logp, old, advantages, mb.completion_mask, normaliser=max(normaliser, 1.0),
+        terms = grpo_loss(logp, old, advantages, mb.loss_mask, normaliser=max(normaliser, 1.0),
                           spec=self.loss_spec, ref_logp=ref, entropy=entropy, is_weights=is_weights)
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
         loss = terms.loss * self.ctx.world_size
@@ -1035,7 +1039,7 @@ class GRPOTrainer:
             if self.cfg.sampler_correction != "none":
                 raise ValueError("sampler_correction needs the rollout engine's log-probs (batch.sampler_logprobs)")
             return None
-        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
+        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.loss_mask.to(old.dtype)
         weights = None
         mode = self.cfg.sampler_correction
         if mode == "none" and self.behaviour_ratio:  # decoupled PPO: the behaviour weight is never off
@@ -1095,7 +1099,8 @@ class GRPOTrainer:
             # cut off = no EOS in the completion (the loss's mask_truncated_completions definition): a completion
             # that ends with EOS exactly at max_completion_length finished
             "truncated": float(cut_off(batch, eos_token_ids(self.hf_model, self.tokenizer)).sum()),
-            "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
+            "prompt_tokens": float(batch.prompt_mask.sum()),
+            "trained_tokens": float(batch.loss_mask.sum(-1).double().cpu()[rows].sum()),
             "attention_pairs": float((row_tokens * (row_tokens + 1)).sum()),
             "decode_processed": float(self._decode_tokens[0]), "decode_useful": float(self._decode_tokens[1]),
             "prompts_truncated": float(self._prompts_cut),
@@ -1144,7 +1149,7 @@ class GRPOTrainer:
     def _sampler_metrics(self, sums: dict, batch: RolloutBatch, rows: list[int]) -> dict:
         """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
         trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
-        tokens = float(batch.completion_mask[rows].sum()) if rows else 0.0
+        tokens = float(batch.loss_mask[rows].sum()) if rows else 0.0
         s = gdist.all_reduce_sum_named({"sampler_diff": sums["sampler_diff"], "sampler_kl": sums["sampler_kl"],
                                         "is_weight": sums["is_weight"], "tokens": tokens}, self.ctx.device)
         tok = max(float(s["tokens"]), 1.0)

@@ -305,8 +305,8 @@ class _Call:
         if self.error is None and code != 0:
             self.error = "exception" if code == 1 else ("killed" if code is not None and code < 0 else "exit")
         note = {"timeout": f"[stopped: the code ran past its {self.limits.timeout_s:g} s time limit]",
-                "output_limit": f"[stopped: the code printed more than {HARD_CAP_FACTOR * 4 * self.limits.max_output_chars}"
-                                f" bytes]",
+                "output_limit": f"[stopped: the code printed more than "
+                                f"{HARD_CAP_FACTOR * 4 * self.limits.max_output_chars} bytes]",
                 "killed": f"[the code was killed by signal {-(code or 0)} (CPU or memory limit)]",
                 "exit": f"[the code exited with status {code}]"}.get(self.error or "")
         if note:
