@@ -180,6 +180,7 @@ class ToolResult:
                                     # "killed", "start"
     seconds: float = 0.0
     truncated: bool = False
+    pid: int | None = None          # the sandbox process (its session and process group): gone when this returns
 
 
 def _env(box: str) -> dict:
@@ -311,7 +312,8 @@ class _Call:
                 "exit": f"[the code exited with status {code}]"}.get(self.error or "")
         if note:
             text = f"{text.rstrip()}\n{note}".lstrip("\n")
-        return ToolResult(text, self.error, time.monotonic() - self.t0, self.truncated)
+        return ToolResult(text, self.error, time.monotonic() - self.t0, self.truncated,
+                          None if self.proc is None else self.pgid)
 
 
 def run_python(codes: list[str], limits: SandboxLimits, budgets_s: list[float] | None = None) -> list[ToolResult]:
