@@ -10,6 +10,8 @@ section chooses one (build_environment); without it, SingleTurnEnv, plain GRPO a
 
 from __future__ import annotations
 
+from typing import Any
+
 from grpo_dist.environments.base import COUNTERS, Environment, MultiTurnEnv
 from grpo_dist.environments.python_tool import PythonToolEnv
 from grpo_dist.environments.sandbox import SandboxLimits, ToolResult, run_python
@@ -27,9 +29,17 @@ def build_environment(cfg, tokenizer) -> Environment:
         return SingleTurnEnv()
     cap = e.max_episode_tokens or cfg.max_completion_length
     if e.env_class:
+        from grpo_dist.config_sections.base import ConfigError
         from grpo_dist.rewards.grading import resolve_reward_function
-        cls = resolve_reward_function(e.env_class)  # the same "module:attr" resolution (and messages)
-        return cls(tokenizer=tokenizer, max_turns=e.max_turns, max_episode_tokens=cap, **(e.args or {}))
+        try:
+            cls: Any = resolve_reward_function(e.env_class)  # the same "module:attr" resolution (and messages)
+        except ValueError as err:
+            raise ConfigError(f"config key 'environment.env_class': {err}") from None
+        env = cls(tokenizer=tokenizer, max_turns=e.max_turns, max_episode_tokens=cap, **(e.args or {}))
+        if not isinstance(env, Environment):
+            raise ConfigError(f"config key 'environment.env_class' = {e.env_class} made a {type(env).__name__}, not a "
+                            f"grpo_dist.environments.Environment")
+        return env
     limits = SandboxLimits(timeout_s=e.tool_timeout_s, cpu_s=max(1, int(e.tool_timeout_s + 0.999)),
                            memory_mb=e.tool_memory_mb, max_output_chars=e.max_tool_output_chars,
                            workers=e.tool_workers)

@@ -87,14 +87,17 @@ class PythonToolEnv(MultiTurnEnv):
             return None, "malformed tool call: a code block without ```python (only Python runs)"
         return code, None
 
-    def env_response_batch(self, items: list[tuple[Messages, State]]) -> list[tuple[Messages, State]]:
-        codes, where, results = [], [], []
+    def env_response_batch(self, items: list[tuple[Messages, State]]
+                           ) -> list[tuple[Messages | str | None, State]]:
+        codes: list[str] = []
+        where: list[tuple[int, float]] = []
+        results: list[str] = []
         for i, (messages, state) in enumerate(items):
             code, problem = self.parse_call(messages[-1]["content"] if messages else "")
             left = self.episode_timeout_s - state["tool_seconds"]
             if problem is None and left <= 0:
                 problem = f"the episode's tool time ({self.episode_timeout_s:g} s) is used up: the call was not run"
-            if problem is not None:
+            if problem is not None or code is None:
                 state["tool_errors"] += 1
                 results.append(f"[tool error: {problem}]")
             else:
@@ -106,7 +109,7 @@ class PythonToolEnv(MultiTurnEnv):
             results[i] = self._account(items[i][1], res)
         return [([{"role": "tool", "content": text}], state) for text, (_, state) in zip(results, items)]
 
-    def env_response(self, messages: Messages, state: State) -> tuple[Messages, State]:
+    def env_response(self, messages: Messages, state: State) -> tuple[Messages | str | None, State]:
         return self.env_response_batch([(messages, state)])[0]
 
     @staticmethod
