@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tool_math_cpu.yaml")
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     from transformers import AutoModelForCausalLM
 
     from grpo_dist.config import load_config

@@ -161,13 +161,13 @@ def test_a_tool_call_past_max_turns_is_not_run_and_is_counted():
                if o)
 
 
-def _train_three_steps(rank, world_size):
+def _train_three_steps(rank, world_size, out_dir):
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
     from grpo_dist.trainer import GRPOTrainer
     cfg = load_config(None, EQUIV_BASE + [
-        "prompts_per_rank=2", "max_completion_length=24", "reward_fns_dummy=0"][:-1] + [
-        "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]", "max_steps=3", "output_dir=/tmp/unused_env2",
+        "prompts_per_rank=2", "max_completion_length=24",
+        "rewards=[{function: 'reward_fns:char_parity', weight: 1.0}]", "max_steps=3", f"output_dir={out_dir}",
         "environment.env_class=tool_envs:ScriptedPythonEnv", "environment.max_turns=2", "save_steps=0",
         "save_final=false"])
     tr = GRPOTrainer(cfg, init_distributed(60))
@@ -179,8 +179,8 @@ def _train_three_steps(rank, world_size):
 @pytest.mark.slow
 def test_two_ranks_train_three_steps_with_executed_tool_calls(tmp_path):
     from dist_utils import run_ranks
-    results = run_ranks(_train_three_steps, 2, tmp_path)
+    results = run_ranks(_train_three_steps, 2, tmp_path, str(tmp_path / "out"))
     assert results[0] == results[1]  # all-reduced: the same on every rank
     for m in results[0]:
         assert m["tools/calls"] >= 1 and m["tools/errors"] == 0 and m["tools/observation_tokens"] > 0
-        assert m["trained_tokens"] > 0
+        assert m["trained_tokens"] > 0 and m["loss"] == m["loss"]
