@@ -107,3 +107,13 @@ def test_the_episode_tool_time_budget_refuses_later_calls():
     assert state["tool_timeouts"] == 1 and state["tool_seconds"] >= 1.0
     (obs, state), = env.env_response_batch([(msg, state)])
     assert "tool time (1 s) is used up" in obs[0]["content"] and state["tool_errors"] == 2
+
+
+@pytest.mark.fast
+def test_ran_python_rewards_a_tool_answer_that_is_not_an_error():
+    from grpo_dist.environments.python_tool import ran_python
+    assert ran_python("```python\nprint(6*7)\n```\n```output\n42\n```\nThe final answer is 42.", "42") == 1.0
+    assert ran_python("<tool_response>\n42\n</tool_response>", "42") == 1.0
+    for bad in ("```output\n[tool error: malformed tool call: no closed ```python block]\n```",
+                "```output\nTraceback (most recent call last):\nNameError\n```", "```output\n\n```", "42"):
+        assert ran_python(bad, "42") == 0.0

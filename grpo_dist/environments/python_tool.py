@@ -127,3 +127,14 @@ class PythonToolEnv(MultiTurnEnv):
             return (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n"
                     f"<|im_start|>assistant\n")
         return f"\n{FENCE}output\n{text.rstrip()}\n{FENCE}\n"
+
+
+def ran_python(completion: str, reference: str) -> float:
+    """A shaping reward for tool use (`grpo_dist.environments.python_tool:ran_python`): 1.0 when the episode holds
+    a tool's answer that is not an error (a ```output or <tool_response> block without '[tool error' or a
+    traceback), else 0.0. With a small weight it gives a model that rarely calls the tool a learning signal."""
+    for block in re.findall(r"```output\n(.*?)```|<tool_response>(.*?)</tool_response>", completion, re.DOTALL):
+        text = block[0] or block[1]
+        if text.strip() and "[tool error" not in text and "Traceback" not in text and "[stopped" not in text:
+            return 1.0
+    return 0.0
