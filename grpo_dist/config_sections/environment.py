@@ -1,12 +1,24 @@
 """The `environment` section: multi-turn rollouts with tools (grpo_dist/environments/, docs/tools.md), and every
-check of it. Empty (the default): plain single-turn GRPO, exactly as without the section."""
+check of it. Empty (the default): plain single-turn GRPO, exactly as without the section. A leaf (imports nothing
+of grpo_dist): the config hooks it in with two lines, the field in GRPOConfig and environment_problems in its
+checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Optional
 
-from grpo_dist.config_sections.base import _f, short
+
+def _f(default: Any = MISSING, help: str = "", choices: tuple | None = None, factory=None):
+    """A field with its help string (and choices), as the config's other sections declare theirs."""
+    meta: dict[str, Any] = {"help": help, **({"choices": choices} if choices else {})}
+    return field(default_factory=factory, metadata=meta) if factory is not None else \
+        field(default=default, metadata=meta)
+
+
+def short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
 
 TOOLS = ("python",)
 

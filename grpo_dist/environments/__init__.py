@@ -29,7 +29,7 @@ def build_environment(cfg, tokenizer) -> Environment:
         return SingleTurnEnv()
     cap = e.max_episode_tokens or cfg.max_completion_length
     if e.env_class:
-        from grpo_dist.config_sections.base import ConfigError
+        from grpo_dist.config import ConfigError
         from grpo_dist.rewards.grading import resolve_reward_function
         try:
             cls: Any = resolve_reward_function(e.env_class)  # the same "module:attr" resolution (and messages)
