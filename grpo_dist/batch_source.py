@@ -143,11 +143,13 @@ class ColocatedSource:
     weights into the rollout engine once per step, sample_and_grade, and with dynamic_sampling more rounds on the
     same weights; curriculum statistics after each round (online), group sizes by difficulty before it."""
 
-    def __init__(self, cfg, ctx, sampler, curriculum, rollout_engine, tokenizer, rewards, eos_ids, weights):
-        """weights(dtype): an iterator of the policy's full weights (Engine.iter_full_weights; a collective)."""
+    def __init__(self, cfg, ctx, sampler, curriculum, rollout_engine, tokenizer, rewards, eos_ids, weights,
+                 environment):
+        """weights(dtype): an iterator of the policy's full weights (Engine.iter_full_weights; a collective).
+        environment: what runs an episode (grpo_dist/environments/: single-turn, or multi-turn with tools)."""
         self.cfg, self.ctx, self.sampler, self.curriculum = cfg, ctx, sampler, curriculum
         self.engine, self.tokenizer, self.rewards, self.eos_ids = rollout_engine, tokenizer, rewards, eos_ids
-        self.weights = weights
+        self.weights, self.environment = weights, environment
         self.weight_sync_s = 0.0
         self._sizes: tuple[list[int] | None, list[int] | None] = (None, None)  # (this rank's, global) group sizes
 
@@ -190,7 +192,8 @@ class ColocatedSource:
         return sample_and_grade(self.cfg, self.engine, self.tokenizer, self.rewards, examples,
                                 batch_number=self.sampler.last_batch_number,
                                 prompt_indices=list(self.sampler.last_prompt_indices), eos_ids=self.eos_ids,
-                                device=self.ctx.device, group_sizes=self._sizes[0], stage=timer)
+                                device=self.ctx.device, group_sizes=self._sizes[0], stage=timer,
+                                generate=self.environment.rollout)
 
     def _plan_group_sizes(self) -> tuple[list[int] | None, list[int] | None]:
         """Group size by difficulty: the sizes of the global batch the sampler just drew, from the all-reduced

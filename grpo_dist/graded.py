@@ -51,11 +51,12 @@ def round_seeds(cfg, batch_number: int, prompt_indices: list[int],
 
 def sample_and_grade(cfg, engine, tokenizer, rewards, examples: list, *, batch_number: int,
                      prompt_indices: list[int], eos_ids, device,
-                     group_sizes: list[int] | None = None, stage=None) -> Graded:
+                     group_sizes: list[int] | None = None, stage=None, generate=generate_batch) -> Graded:
     """G completions of each example (group_sizes: each prompt's own number of them, its prompt repeated, one each)
     on the engine's current weights, graded by `rewards` (a RewardComputer). batch_number and prompt_indices: where
     the examples sit in the global batch order (the data sampler's last batch), which keys the sampling noise.
-    stage(name): a context manager around the "rollout" and "reward" parts (the trainer's Timer), or None."""
+    stage(name): a context manager around the "rollout" and "reward" parts (the trainer's Timer), or None.
+    generate: generate_batch's signature; a multi-turn environment's rollout (grpo_dist/environments/) in its place."""
     stage = stage or (lambda name: nullcontext())
     if len(prompt_indices) != len(examples):
         raise ValueError(f"rollout of {len(examples)} prompts, but the data sampler's last batch had "
@@ -70,7 +71,7 @@ def sample_and_grade(cfg, engine, tokenizer, rewards, examples: list, *, batch_n
         n = 1
     spec = sampling_spec(cfg, eos_ids, n=n, seeds=round_seeds(cfg, batch_number, prompt_indices, group_sizes))
     with stage("rollout"):
-        batch = generate_batch(engine, tokenizer, prompts, answers, spec, cfg.data.max_prompt_length, device)
+        batch = generate(engine, tokenizer, prompts, answers, spec, cfg.data.max_prompt_length, device)
     with stage("reward"):
         return grade(cfg, rewards, row_examples, batch)
 
@@ -80,6 +81,6 @@ def grade(cfg, rewards, row_examples: list, batch: RolloutBatch) -> Graded:
     that generate their own way)."""
     total, per_function = rewards(batch.completions, batch.references, batch.completion_lengths.tolist(),
                                   cfg.max_completion_length, **rollout_context(row_examples, batch))
-    decode = (batch.decode_row_steps, int(batch.completion_mask.sum())) if batch.decode_row_steps is not None \
-        else (0, 0)
+    # decode row-steps computed, and the tokens the model generated (multi-turn: observations are not generated)
+    decode = (batch.decode_row_steps, int(batch.loss_mask.sum())) if batch.decode_row_steps is not None else (0, 0)
     return Graded(batch, list(total), per_function, dict(rewards.last_errors), decode)

@@ -117,7 +117,7 @@ def select_rows(cfg, batch: RolloutBatch, flat_groups: torch.Tensor, group_sizes
 def step_normaliser(cfg, batch: RolloutBatch, rows: list[int], device) -> float:
     """The loss's divisor for the whole optimizer step, over all micro-batches and ranks (one all-reduce): the
     trained sequences or tokens, as loss_type says. 0 when no rank trains a row."""
-    lengths = batch.completion_lengths
+    lengths = batch.loss_mask.sum(-1)  # the model's tokens (multi-turn: observations are not trained on)
     local = float(len(rows)) if uses_sequence_normaliser(cfg.loss_type) else float(lengths[rows].sum())
     return float(gdist.all_reduce_sum([local], device)[0])
 
@@ -175,7 +175,7 @@ class Learner:
         seq_kl = torch.zeros(len(batch), dtype=torch.float32, device=self.ctx.device)
         for idx, r, p in zip(micro, ref, pol):
             if idx:
-                mask = batch.completion_mask[idx][:, :p.shape[1]].to(p.dtype)
+                mask = batch.loss_mask[idx][:, :p.shape[1]].to(p.dtype)
                 seq_kl[idx] = (kl_estimate(p, r, cfg.kl_estimator) * mask).sum(-1)
         return rewards - cfg.beta * seq_kl.to(rewards.device), seq_kl
 
@@ -330,12 +330,12 @@ class Learner:
         logp, entropy = completion_log_probs(self.engine.module, mb, packed, state.tokens["train"], cfg.temperature,
                                              cfg.logprob_chunk_size, want)  # [rows, C]
         if first and entropy is not None:
-            sums["entropy"] += (entropy.detach() * mb.completion_mask).sum()
+            sums["entropy"] += (entropy.detach() * mb.loss_mask).sum()
         c = logp.shape[1]
         old = old_logp[:, :c] if old_logp is not None else logp.detach()  # stale rollouts: the proximal policy
         ref = ref_logp[:, :c] if ref_logp is not None else None
         is_weights = self.sampler_terms(mb, old, sums if first else None)
-        terms = grpo_loss(logp, old, adv, mb.completion_mask, normaliser=max(normaliser, 1.0),
+        terms = grpo_loss(logp, old, adv, mb.loss_mask, normaliser=max(normaliser, 1.0),
                           spec=self.loss_spec, ref_logp=ref, entropy=entropy, is_weights=is_weights)
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
         loss = terms.loss * self.ctx.world_size
@@ -364,7 +364,7 @@ class Learner:
             if self.cfg.sampler_correction != "none":
                 raise ValueError("sampler_correction needs the rollout engine's log-probs (batch.sampler_logprobs)")
             return None
-        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.completion_mask.to(old.dtype)
+        sampler, mask = mb.sampler_logprobs.to(old.dtype), mb.loss_mask.to(old.dtype)
         weights = None
         mode = self.cfg.sampler_correction
         if mode == "none" and self.behaviour_ratio:  # decoupled PPO: the behaviour weight is never off

@@ -39,6 +39,15 @@ class RolloutBatch:
     # prompts of this batch (each once, not per completion) longer than max_prompt_length tokens: their beginning
     # was cut (the prompts_truncated metric)
     prompts_truncated: int = 0
+    # [N, C] long, multi-turn episodes (grpo_dist.environments): 1 on the model's tokens, 0 on the environment's
+    # observations (context, never trained on: TRL's name); None: every completion token is the model's
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens the loss, its token normaliser, entropy, KL and the sampler/trainer check count: the model's
+        own (completion_mask, less observations). Without observations: completion_mask itself."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -52,7 +61,8 @@ class RolloutBatch:
                             self.completion_mask.to(device), self.num_generations, self.completions,
                             self.references,
                             None if self.sampler_logprobs is None else self.sampler_logprobs.to(device),
-                            prompts_truncated=self.prompts_truncated)
+                            prompts_truncated=self.prompts_truncated,
+                            tool_mask=None if self.tool_mask is None else self.tool_mask.to(device))
 
     def rows(self, index: list[int]) -> RolloutBatch:
         """A sub-batch, trimmed to the columns its rows use (less padding in every forward pass)."""
@@ -65,7 +75,8 @@ class RolloutBatch:
                             cm[:, :c_end], self.num_generations,
                             [self.completions[i] for i in index] if self.completions else [],
                             [self.references[i] for i in index] if self.references else [],
-                            None if self.sampler_logprobs is None else self.sampler_logprobs[idx, :c_end])
+                            None if self.sampler_logprobs is None else self.sampler_logprobs[idx, :c_end],
+                            tool_mask=None if self.tool_mask is None else self.tool_mask[idx, :c_end])
 
 
 def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -86,13 +97,18 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                         batches[0].num_generations, [c for b in batches for c in b.completions],
                         [r for b in batches for r in b.references],
                         None if any(b.sampler_logprobs is None for b in batches) else
-                        torch.cat([pad(b.sampler_logprobs, C, False, 0.0) for b in batches]))
+                        torch.cat([pad(b.sampler_logprobs, C, False, 0.0) for b in batches]),
+                        tool_mask=None if all(b.tool_mask is None for b in batches) else
+                        torch.cat([pad(b.completion_mask if b.tool_mask is None else b.tool_mask, C, False, 0)
+                                   for b in batches]))
 
 
 def cut_off(batch: RolloutBatch, eos_ids) -> torch.Tensor:
-    """[N] bool: rows whose completion has no EOS token, i.e. was cut at max_completion_length."""
+    """[N] bool: rows whose completion has no EOS token of the model's own (an observation's EOS tokens, e.g.
+    Qwen's <|im_end|> closing a tool response, do not count), i.e. was cut at max_completion_length (or an
+    episode at max_turns / its token cap)."""
     ids = torch.as_tensor(list(eos_ids), device=batch.completion_ids.device)
-    return ~(torch.isin(batch.completion_ids, ids) & batch.completion_mask.bool()).any(-1)
+    return ~(torch.isin(batch.completion_ids, ids) & batch.loss_mask.bool()).any(-1)
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:

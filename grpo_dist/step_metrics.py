@@ -28,7 +28,8 @@ def step_metrics(cfg, ctx, state, eos_ids, step: int, learning_rate: float, skip
         # cut off = no EOS in the completion (the loss's mask_truncated_completions definition): a completion that
         # ends with EOS exactly at max_completion_length finished
         "truncated": float(cut_off(batch, eos_ids).sum()),
-        "prompt_tokens": float(batch.prompt_mask.sum()), "trained_tokens": float(lengths[rows].sum()),
+        "prompt_tokens": float(batch.prompt_mask.sum()),
+        "trained_tokens": float(batch.loss_mask.sum(-1).double().cpu()[rows].sum()),  # the model's tokens only
         "attention_pairs": float((row_tokens * (row_tokens + 1)).sum()),
         "decode_processed": float(state.graded.decode[0]), "decode_useful": float(state.graded.decode[1]),
         "prompts_truncated": float(state.graded.prompts_cut),
@@ -79,7 +80,7 @@ def sampler_metrics(cfg, ctx, state, behaviour_ratio: bool) -> dict:
     """sampler_logprob_diff: mean |logp_trainer - logp_sampler|, sampler_kl: k3 estimate of KL(sampler ||
     trainer), over the completion tokens trained on (all ranks); is_weight_mean with a sampler correction."""
     sums, rows = state.sums, state.rows
-    tokens = float(state.batch.completion_mask[rows].sum()) if rows else 0.0
+    tokens = float(state.batch.loss_mask[rows].sum()) if rows else 0.0
     s = gdist.all_reduce_sum_named({"sampler_diff": sums["sampler_diff"], "sampler_kl": sums["sampler_kl"],
                                     "is_weight": sums["is_weight"], "tokens": tokens}, ctx.device)
     tok = max(float(s["tokens"]), 1.0)

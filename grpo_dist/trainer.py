@@ -35,6 +35,7 @@ from grpo_dist.config import ConfigError, GRPOConfig
 from grpo_dist.curriculum import Curriculum
 from grpo_dist.data import DataError, PromptSampler
 from grpo_dist.graded import sampling_spec
+from grpo_dist.environments import build_environment, step_metrics as environment_metrics
 from grpo_dist.health import CANNOT_LEARN_EXIT_CODE, HealthMonitor
 from grpo_dist.interrupts import PREEMPTED_EXIT_CODE, GracefulStop
 from grpo_dist.learner import Learner, StepState
@@ -93,6 +94,7 @@ class GRPOTrainer:
         if cfg.rollout_engine == "vllm":
             require_vllm()  # a missing or broken vLLM stops here, before any model loads
         self.tokenizer = load_tokenizer(cfg.model)
+        self.environment = build_environment(cfg, self.tokenizer)  # single-turn unless config section environment
         try:  # prompts that lose their beginning: one warning, or refused (before models)
             check_prompt_lengths(cfg, ctx, self.train_examples, self.tokenizer)
         except DataError:
@@ -241,6 +243,7 @@ class GRPOTrainer:
     def close(self) -> None:
         """Release the rollout engine (vLLM must shut down before the process group is destroyed)."""
         self.source.close()
+        self.environment.close()
 
     # ------------------------------------------------------------------------------------------------ the step
     def _batch_source(self):
@@ -249,7 +252,7 @@ class GRPOTrainer:
         cfg, ctx = self.cfg, self.ctx
         if not cfg.rollout_ranks:
             return ColocatedSource(cfg, ctx, self.sampler, self.curriculum, self.rollout_engine, self.tokenizer,
-                                   self.rewards, self._eos_ids(), self.engine.iter_full_weights)
+                                   self.rewards, self._eos_ids(), self.engine.iter_full_weights, self.environment)
         # LoRA: the adapters only, merged on the rollout ranks (async_rollout.AdapterMerge)
         push = (lambda dtype: self.engine.iter_adapter_weights()) if cfg.lora.r else self.engine.iter_full_weights
         rollouts = AsyncRollouts(cfg, ctx, self.sampler, push, self.request_stop)
@@ -277,6 +280,7 @@ class GRPOTrainer:
         metrics.update(reward_means(graded.per_function, self.ctx.device))
         metrics.update(graded.reward_errors)
         metrics.update(graded.sampling)
+        metrics.update(environment_metrics(self.environment, self.ctx.device))  # tools/*: multi-turn only
         if self.curriculum is not None:
             metrics.update(self.curriculum.metrics(self.sampler.last_batch_number))
             if graded.global_group_sizes is not None:  # the last round's plan, the same on every rank

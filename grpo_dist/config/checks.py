@@ -65,6 +65,7 @@ def config_problems(cfg) -> list[str]:
                    f"(data.max_prompt_length + max_completion_length = "
                    f"{cfg.data.max_prompt_length + cfg.max_completion_length}); raise it or null (off)")
     bad += async_problems(cfg)
+    bad += environment_problems(cfg)
     if cfg.log_completions < 0:
         bad.append(f"config key 'log_completions' must be >= 0 (0: off), got {cfg.log_completions}")
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
@@ -121,6 +122,34 @@ def config_problems(cfg) -> list[str]:
     bad += _decoder_problems(cfg)
     bad += _health_problems(cfg.health)
     bad += _curriculum_problems(cfg)
+    return bad
+
+
+def environment_problems(cfg) -> list[str]:
+    """Every problem of the environment section (cfg: the whole GRPOConfig)."""
+    e, bad = cfg.environment, []
+    for t in e.tools or []:
+        if t not in C.TOOLS:
+            bad.append(f"config key 'environment.tools' has {short(t)}; built in: {', '.join(C.TOOLS)}")
+    if e.tools and e.env_class:
+        bad.append("config keys 'environment.tools' and 'environment.env_class' exclude each other")
+    if not (e.tools or e.env_class):
+        return bad
+    if e.max_turns < 1:
+        bad.append(f"config key 'environment.max_turns' must be >= 1, got {e.max_turns}")
+    if e.max_episode_tokens is not None and not 1 <= e.max_episode_tokens <= cfg.max_completion_length:
+        bad.append(f"config key 'environment.max_episode_tokens' = {e.max_episode_tokens} must be in [1, "
+                   f"max_completion_length = {cfg.max_completion_length}] (the engines are sized for it)")
+    for k in ("tool_timeout_s", "episode_timeout_s"):
+        if not getattr(e, k) > 0:
+            bad.append(f"config key 'environment.{k}' must be > 0, got {getattr(e, k)}")
+    for k in ("tool_memory_mb", "max_tool_output_chars", "tool_workers"):
+        if getattr(e, k) < 1:
+            bad.append(f"config key 'environment.{k}' must be >= 1, got {getattr(e, k)}")
+    for key, on in (("rollout_ranks", cfg.rollout_ranks > 0), ("max_tokens_per_micro_batch",
+                                                              cfg.max_tokens_per_micro_batch is not None)):
+        if on:
+            bad.append(f"config key '{key}' is not supported with a multi-turn environment yet (docs/tools.md)")
     return bad
 
 

@@ -69,3 +69,7 @@ MAX_REWARD_TIMEOUT_S = 86400.0
 # (advantages, group std: squares), |w| <= 1e6 keeps w * reward and its square far below fp32's 3.4e38, and no mix
 # needs a ratio beyond 1e6 between weights (past 2^24 ~ 1.7e7 the smaller term is under fp32 rounding anyway).
 MAX_REWARD_WEIGHT = 1e6
+
+# environment section (grpo_dist/environments/, docs/tools.md)
+TOOLS = ("python",)  # environment.tools: the built-in tools
+TOOL_FORMATS = ("auto", "qwen", "markdown")  # environment.tool_format

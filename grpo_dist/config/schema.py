@@ -202,6 +202,28 @@ class DataConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts with tools (grpo_dist/environments/, docs/tools.md). Empty (the default): plain
+    single-turn GRPO, exactly as without the section."""
+    tools: list = _f(factory=list, help="built-in tools of a multi-turn episode: [python] (code in the model's turn "
+                     "runs in a sandbox, its output is the next turn); []: single-turn")
+    env_class: Optional[str] = _f(None, "module:Class of your own environment (grpo_dist.environments.MultiTurnEnv; "
+                                  "called with tokenizer, max_turns, max_episode_tokens and `args`)")
+    args: dict = _f(factory=dict, help="keyword arguments of env_class")
+    max_turns: int = _f(4, "model turns per episode at most; a tool call in the last one is not run (counted)")
+    max_episode_tokens: Optional[int] = _f(None, "model and observation tokens of an episode together, at most "
+                                           "(None: max_completion_length, which it may not exceed)")
+    tool_format: str = _f("auto", "how the model calls the tool: auto (qwen where the chat template has <tool_call>, "
+                          "else markdown) | qwen | markdown (```python blocks, ```output answers)",
+                          C.TOOL_FORMATS)
+    tool_timeout_s: float = _f(5.0, "wall time of one tool call (its CPU time limit too)")
+    episode_timeout_s: float = _f(20.0, "tool wall time of one episode in all; later calls are refused (counted)")
+    tool_memory_mb: int = _f(1024, "address-space limit of a tool call's process")
+    max_tool_output_chars: int = _f(1024, "the end of a call's output kept for the model (more is cut, saying so)")
+    tool_workers: int = _f(4, "tool calls run at once")
+
+
+@dataclass
 class GRPOConfig:
     # Run
     output_dir: str = _f("outputs/run", "where metrics, config and checkpoints go (one run at a time: locked; "
@@ -402,6 +424,8 @@ class GRPOConfig:
     health: HealthConfig = _f(factory=HealthConfig, help="health monitor section (grpo_dist/health.py)")
     curriculum: CurriculumConfig = _f(factory=CurriculumConfig, help="difficulty-aware prompt sampling section "
                                       "(grpo_dist/curriculum.py)")
+    environment: EnvironmentConfig = _f(factory=EnvironmentConfig, help="multi-turn rollouts with tools "
+                                        "(grpo_dist/environments/, docs/tools.md); empty: single-turn")
     dry_run: bool = _f(False, "a few-second rehearsal of this config (grpo_dist/dry_run.py): num_generations=2, "
                        "8 prompts in all, 2 steps, no checkpoint, output in a temporary directory; prints the run "
                        "table, a completion per prompt, and whether the run can learn (exit 0) or not (exit 5)")
