@@ -110,6 +110,7 @@ def test_observation_log_probs_get_exactly_zero_gradient(loss_type):
 def test_the_trainer_trains_the_model_tokens_only(monkeypatch):
     """Through GRPOTrainer.learn: the gradient reaching the log-probs of observation tokens is exactly zero, and
     the token normaliser, trained_tokens, entropy and the sampler check count the model's tokens only."""
+    import grpo_dist.learner as learner_mod
     import grpo_dist.trainer as trainer_mod
     from grpo_dist.config import load_config
     from grpo_dist.distributed import init_distributed
@@ -118,15 +119,16 @@ def test_the_trainer_trains_the_model_tokens_only(monkeypatch):
     cfg = load_config(None, EQUIV_BASE + ["loss_type=token_mean", "prompts_per_rank=4", "micro_batch_size=16",
                                           "output_dir=/tmp/unused_env_trainer"])
     tr = trainer_mod.GRPOTrainer(cfg, init_distributed(60))
-    grads, masks, real = [], [], trainer_mod.grpo_loss
+    grads, masks, real = [], [], learner_mod.grpo_loss
 
     def recording(logp, old, adv, mask, **kwargs):
         logp.register_hook(lambda g: grads.append(g.detach().clone()))
         masks.append(mask.clone())
         return real(logp, old, adv, mask, **kwargs)
-    monkeypatch.setattr(trainer_mod, "grpo_loss", recording)
-    layouts, real_layout = [], tr._layout
-    monkeypatch.setattr(tr, "_layout", lambda b, idx: layouts.append(real_layout(b, idx)) or layouts[-1])
+    monkeypatch.setattr(learner_mod, "grpo_loss", recording)
+    layouts, real_layout = [], tr.learner.layout
+    monkeypatch.setattr(tr.learner, "layout",
+                        lambda cache, b, idx: layouts.append(real_layout(cache, b, idx)) or layouts[-1])
     m = tr.learn(batch, rewards)
     assert len(grads) == 1
     sub = layouts[-1][0]
