@@ -426,13 +426,19 @@ def replica_engine(cfg, ctx: gdist.DistContext, tokenizer):
     """(rollout engine, EOS ids, LoRA merger or None) on a plain replica of the configured model, in the compute
     dtype: what a rollout rank samples with, and what a trainer rank evaluates with when rollout_ranks > 0 (it
     builds no replica for sampling). Its weights are the policy's once synced. With LoRA the merger turns pushed
-    adapters into the merged weights (AdapterMerge)."""
+    adapters into the merged weights (AdapterMerge). With rollout_engine=vllm this rank owns a vLLM engine, in a
+    process of its own (VLLMRolloutEngine own_process: the other ranks build none), and no replica."""
     from grpo_dist.decoder import prepare_replica
     from grpo_dist.models import MIXED_PRECISION_DTYPES, copy_in_dtype, load_model
     from grpo_dist.rollout import eos_token_ids
     from grpo_dist.rollout_engines import build_rollout_engine, tied_aliases
 
     policy = load_model(cfg.model, tokenizer)
+    if cfg.rollout_engine == "vllm":  # its own copy of the weights, loaded by the first sync (dummy until then)
+        engine = build_rollout_engine(cfg, ctx, None, tokenizer, tied_aliases(policy),
+                                      num_params=sum(p.numel() for p in policy.parameters()), synced=True,
+                                      own_process=True)
+        return engine, tuple(eos_token_ids(policy, tokenizer)), AdapterMerge(cfg, policy) if cfg.lora.r else None
     replica = copy_in_dtype(policy, MIXED_PRECISION_DTYPES.get(cfg.distributed.mixed_precision)).eval()
     replica.to(ctx.device).requires_grad_(False)
     eos = tuple(eos_token_ids(policy, tokenizer))

@@ -28,6 +28,7 @@ trainer's own quantity, log softmax(logits / temperature); with them, the filter
 from __future__ import annotations
 
 import abc
+import io
 import os
 from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
@@ -202,12 +203,18 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None, vcfg, dtype: torch.dtype, max_model_len: int,
                  seed: int, rank: int, world_size: int, tied: dict[str, list[str]] | None = None, rows: int = 1,
-                 num_params: int | None = None, dummy_weights: bool = False):
+                 num_params: int | None = None, dummy_weights: bool = False, own_process: bool = False):
         import torch.distributed as dist
         if world_size % vcfg.tensor_parallel_size:
             raise ConfigError(f"config key 'vllm.tensor_parallel_size' = {vcfg.tensor_parallel_size} does not divide "
                               f"the {world_size} ranks")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, not a child
+        # own_process (an asynchronous rollout rank, or a trainer rank's evaluation engine there): the engine core in
+        # a child process with a world of its own. In this process vLLM's groups would span the whole job (its
+        # world group is every rank of torch.distributed), and the trainer ranks build no engine to join them.
+        self.own_process = own_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
+        if own_process:  # a forked child would inherit this rank's torch.distributed state and take it for its own
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         gpu = on_gpu()
         self.tp = vcfg.tensor_parallel_size
         self.rank, self.tp_group = rank, _tp_group(self.tp, world_size) if self.tp > 1 else None
@@ -226,11 +233,14 @@ class VLLMRolloutEngine(RolloutEngine):
         if dummy_weights:  # the trainer's first weight sync overwrites them: no read of the checkpoint per rank
             kwargs["load_format"] = "dummy"
         threads = torch.get_num_threads()
+        if own_process:
+            kwargs["worker_extension_cls"] = f"{__name__}.PushedWeights"
         from vllm import LLM
         self.llm = LLM(model=model_dir, tokenizer=tokenizer_dir or model_dir, dtype=str(dtype).split(".")[-1],
                        seed=seed + rank // self.tp,  # one stream per engine; the ranks of a TP group share it
                        max_model_len=max_model_len, tensor_parallel_size=self.tp,
-                       distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+                       distributed_executor_backend="external_launcher" if dist.is_initialized() and not own_process
+                       else None,
                        enforce_eager=not gpu if vcfg.enforce_eager is None else vcfg.enforce_eager,
                        enable_sleep_mode=self.sleep, logprobs_mode="processed_logprobs", **kwargs)
         torch.set_num_threads(threads)  # vLLM's CPU backend sets its own thread count; training keeps ours
@@ -282,7 +292,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def _reload(self, weights) -> None:
         """The weights into every worker's model: reload_weights(weights_iterator=..., is_checkpoint_format=True)
         (vLLM's layerwise reload, tested with 0.32), or model.load_weights where vLLM's reload_weights takes no
-        iterator (older versions: the refused call consumed nothing, so the same stream goes on)."""
+        iterator (older versions: the refused call consumed nothing, so the same stream goes on). An engine in its
+        own process takes the stream as one serialized list (PushedWeights), into the same reload_weights."""
+        if self.own_process:
+            self.llm.collective_rpc("load_pushed_weights", kwargs=dict(blob=pushed_blob(weights, self.tied)))
+            return
         if self.reload_takes_iterator:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs=dict(
@@ -369,6 +383,23 @@ def _empty_cache() -> None:
 def _vllm_version() -> str:
     import vllm
     return str(getattr(vllm, "__version__", "?"))
+
+
+def pushed_blob(weights, tied: dict[str, list[str]]) -> bytes:
+    """The weights (tied names repeated, as with_tied_names) as one torch.save'd list of (name, CPU tensor): what
+    crosses into an engine in its own process (vLLM's RPC carries bytes, not a generator or tensors)."""
+    buf = io.BytesIO()
+    torch.save([(name, t.detach().cpu()) for name, t in with_tied_names(weights, tied)], buf)
+    return buf.getvalue()
+
+
+class PushedWeights:
+    """vLLM worker extension (worker_extension_cls) of an engine in its own process: load_pushed_weights reads a
+    pushed_blob and loads it through the worker's reload_weights, the colocated sync's path."""
+
+    def load_pushed_weights(self, blob: bytes) -> None:
+        weights = torch.load(io.BytesIO(blob), weights_only=True)
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
 
 
 def _load_weights(worker, weights) -> None:
@@ -471,11 +502,13 @@ def generate_batch(engine: RolloutEngine, tokenizer, prompts: Sequence[str | Ren
 
 def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
                          tied: dict[str, list[str]] | None = None, rows: int | None = None,
-                         num_params: int | None = None, synced: bool = False) -> RolloutEngine:
+                         num_params: int | None = None, synced: bool = False,
+                         own_process: bool = False) -> RolloutEngine:
     """The engine config key `rollout_engine` names: lean / hf run on the trainer's replica, vllm builds its own
     (tied: tied_aliases of the policy, names the weight sync repeats; rows: completions this rank generates at
     once, default prompts_per_rank x num_generations; num_params: the policy's, else estimated from config.json;
-    synced: the caller syncs the weights before the first generate, so vLLM starts from dummy weights)."""
+    synced: the caller syncs the weights before the first generate, so vLLM starts from dummy weights;
+    own_process: vLLM's engine core in a child process, for a rank whose peers build no engine: rollout_ranks > 0)."""
     if cfg.rollout_engine != "vllm":
         assert replica is not None, "lean / hf rollouts sample from the trainer's replica"
         return ReplicaRolloutEngine(replica, cfg.rollout_engine == "lean", tokenizer.pad_token_id,
@@ -485,7 +518,7 @@ def build_rollout_engine(cfg, ctx, replica: torch.nn.Module | None, tokenizer,
     return VLLMRolloutEngine(cfg.model.name_or_path, cfg.model.tokenizer, cfg.vllm, rollout_dtype(cfg),
                              vllm_max_model_len(cfg), cfg.seed, ctx.rank, ctx.world_size, tied,
                              rows=rows or cfg.prompts_per_rank * cfg.num_generations, num_params=num_params,
-                             dummy_weights=synced)
+                             dummy_weights=synced, own_process=own_process)
 
 
 def rollout_dtype(cfg) -> torch.dtype:

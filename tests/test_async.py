@@ -197,7 +197,7 @@ def test_a_rollout_rank_that_dies_or_hangs_ends_the_trainer_within_the_timeout(t
     (["max_staleness=1"], "max_staleness"),
     (["rollout_ranks=-1"], "rollout_ranks"),
     (["rollout_ranks=1", "distributed.backend=deepspeed"], "distributed.backend"),
-    (["rollout_ranks=1", "rollout_engine=vllm"], "rollout_engine"),
+    (["rollout_ranks=1", "rollout_engine=vllm", "vllm.tensor_parallel_size=2"], "vllm.tensor_parallel_size"),
     (["rollout_ranks=1", "curriculum.num_generations_min=2", "curriculum.num_generations_max=6"],
      "curriculum.num_generations_min"),
     (["rollout_ranks=1", "curriculum.mode=online"], "curriculum.mode"),

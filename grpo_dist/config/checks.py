@@ -181,8 +181,10 @@ def async_problems(cfg, world_size: int | None = None) -> list[str]:
         ("distributed.backend", cfg.distributed.backend, cfg.distributed.backend == "deepspeed",
          "the weight push streams FSDP units (Engine.iter_full_weights over the trainer group); ZeRO-3's "
          "gather is not wired to the sync group"),
-        ("rollout_engine", cfg.rollout_engine, cfg.rollout_engine == "vllm",
-         "a rollout rank builds a lean / hf replica; vLLM there (its own venv, .ci/vllm_env.sh) is not built"),
+        ("vllm.tensor_parallel_size", cfg.vllm.tensor_parallel_size,
+         cfg.rollout_engine == "vllm" and cfg.vllm.tensor_parallel_size > 1,
+         "each rollout rank owns one vLLM engine in a process of its own, on its own device; tensor parallelism "
+         "across rollout ranks is not wired"),
         ("sampling_noise", cfg.sampling_noise, cfg.sampling_noise != "per_prompt",
          "a rollout rank must draw what the trainer would: only per-prompt noise is the same on any rank"),
         ("curriculum.mode", c.mode, c.mode == "online",
