@@ -278,7 +278,8 @@ def project(inp: dict, rollout_gpus: int, trainer_gpus: int) -> dict:
     until its longest row ends, each decode step reading every weight once (longest x decode_step_s, the same on
     any number of GPUs), plus each generated token's own work spread over the GPUs (tokens / GPUs x decode_row_s;
     decode compaction drops finished rows); training: tokens x train_s_per_token / GPUs; the weight sync is not
-    hidden (the trainers broadcast after the optimizer step, the rollout ranks receive between batches)."""
+    hidden (the trainers broadcast after the optimizer step; the rollout ranks take it while they sample, but the
+    transfer itself is on the trainers' path)."""
     if rollout_gpus == 0:
         g = trainer_gpus
         roll = inp["longest"] * inp["decode_step_s"] + inp["tokens"] / g * inp["decode_row_s"]

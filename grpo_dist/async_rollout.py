@@ -6,20 +6,22 @@ keeps no state but the weights of the last version it received.
 Process groups, created by every rank in this order (setup):
     trainer  ranks 0 .. T-1               FSDP and the trainer's all-reduces
     rollout  ranks T .. W-1               (nothing yet: room for vLLM tensor parallelism)
-    sync     rank 0 and ranks T .. W-1    the weight broadcast (the world's backend: nccl on CUDA, gloo on CPU
-                                          and where GRPO_DIST_SHARE_GPU=1 puts ranks on one GPU)
+    sync     rank 0 and ranks T .. W-1    the weight push (the world's backend: nccl on CUDA, gloo on CPU
+                                          and where GRPO_DIST_SHARE_GPU=1 puts ranks on one GPU); on a rollout
+                                          rank only its WeightReceiver thread uses it
     control  all ranks, gloo              headers and prompts out, completions back (pickled, point to point,
                                           queued: a sender never blocks on its receiver)
 Trainer t sends its prompts to rollout rank T + t mod R; a rollout rank serves its trainers in rank order.
 
 The protocol, for steps s = 0 .. N-1 and staleness k (batch j is the prompts of step j; H = a header from
-rank 0 to every rollout rank: the version batch j is sampled with; when the version is new the weights follow as
-broadcasts on the sync group; -1 stops):
+rank 0 to every rollout rank: the version batch j is sampled with; when the version is new rank 0 pushes it on
+the sync group (push_version: the version, then the weights), which each rollout rank's WeightReceiver thread
+takes into a second buffer while the rank samples, so the push never waits for the batch in hand; -1 stops):
 
     trainer t (rank 0 broadcasts)                        rollout rank T + t mod R
     -----------------------------                        ------------------------
     for j in 0 .. min(k, N-1):                            loop:
-        [t = 0] H(version 0, weights once) ------------->     recv H; -1: stop; new version: recv the weights
+        [t = 0] H(version 0, weights once) ------------->     recv H; -1: stop; new version: swap in its weights
         send prompts of batch j ------------------------->     recv prompts of batch j (per served trainer)
     for s in 0 .. N-1:                                         sample_and_grade on its weights (graded.py)
         recv completions of batch s  <--------------------     send completions + version + behaviour log-probs
@@ -233,8 +235,10 @@ def tell_failure(roles_: Roles, error: BaseException, listeners: list[int]) -> N
 
 
 def _broadcast(t: torch.Tensor, roles_: Roles, what: str) -> None:
+    """On the sync group from rank 0. A failed wait names the other side: rank 0 for a rollout rank, the (first)
+    rollout rank for trainer rank 0 (gloo does not say which receiver of a broadcast is missing)."""
     work = dist.broadcast(t, src=0, group=roles_.sync_group, async_op=True)
-    _wait(work, roles_, what, 0)
+    _wait(work, roles_, what, roles_.trainers if roles_.is_trainer else 0)
 
 
 # --------------------------------------------------------------------------------------------- trainer side
@@ -325,14 +329,9 @@ class AsyncRollouts:
         if main:
             self._header(version)
         if new:
-            nbytes = 0
-            for _, t in self.weights(rollout_dtype(self.cfg)):
-                if main:
-                    t = t.contiguous()
-                    _broadcast(t, self.roles, "the weight broadcast")
-                    nbytes += t.numel() * t.element_size()
+            self.stats["sync_bytes"] += push_version(version, (t for _, t in self.weights(rollout_dtype(self.cfg))),
+                                                     self.roles)
             self.sent_version = version
-            self.stats["sync_bytes"] += nbytes
         self.stats["sync_s"] += time.perf_counter() - t0
 
     def receive(self, step: int) -> Graded:
@@ -408,12 +407,31 @@ class AsyncRollouts:
             self.received += 1
         if self.ctx.rank == 0:
             self._header(STOP)
+            if self.sent_version is not None:  # the rollout ranks' weight receivers end too
+                push_version(STOP, iter(()), self.roles)
         flush(self.roles)
 
     def _header(self, version: int) -> None:
         """To every rollout rank, ahead of each batch: the version to sample it with (STOP: the end)."""
         for dst in range(self.roles.trainers, self.roles.trainers + self.roles.rollouts):
             send_obj(version, dst, self.roles, f"the version header {version}")
+
+
+def push_version(version: int, tensors, roles_: Roles) -> int:
+    """A weight push, the trainers' end of WeightReceiver: the version, then the tensors in manifest order,
+    broadcast from rank 0 on the sync group (STOP and no tensors: the receivers end). Every trainer rank consumes
+    `tensors` (a collective of the trainer group under FSDP); rank 0 sends. Returns the weight bytes sent. The
+    rollout ranks take it while they sample, so it waits only for the transfer (and, one version staged at most,
+    for a rollout rank still sampling with a version two pushes back)."""
+    main, nbytes = roles_.rank == 0, 0
+    if main:
+        _broadcast(torch.tensor([version], device=roles_.device), roles_, "the pushed version")
+    for t in tensors:
+        if main:
+            t = t.contiguous()
+            _broadcast(t, roles_, "the weight broadcast")
+            nbytes += t.numel() * t.element_size()
+    return nbytes
 
 
 def accepted(lag: int, max_staleness: int) -> bool:
@@ -493,6 +511,7 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
     tokenizer, engine, rewards, eos, merge = _rollout_side(cfg, ctx)
     served = roles_.served()
     manifest = recv_obj(0, roles_, "the weight manifest")
+    receiver = WeightReceiver(manifest, roles_)
     version: int | None = None
     idle, busy, j = 0.0, 0.0, 0
     stop = _RolloutStop(roles_.rank)
@@ -504,12 +523,14 @@ def serve(cfg, roles_: Roles, ctx: gdist.DistContext) -> int:
                 watchdog.set_phase("rollout-wait", j)
                 header = recv_obj(0, roles_, f"the version header of batch {j}")
                 if header == STOP:
+                    receiver.join()
                     flush(roles_)
                     return PREEMPTED_EXIT_CODE if stop.requested else 0
                 if header != version:  # a new version: switch weights between generation batches
                     watchdog.set_phase("weight-sync", j)
-                    weights = _received_weights(manifest, roles_)
+                    weights = receiver.take(header)  # received while the last batch was sampled
                     engine.sync_weights(merge(weights) if merge is not None else weights)
+                    receiver.release()
                     version = header
                 for t in served:
                     msg = recv_obj(t, roles_, f"the prompts of batch {j}")
@@ -593,9 +614,80 @@ class RolloutsElsewhere(RolloutEngine):
                            "local engine")
 
 
-def _received_weights(manifest, roles_: Roles):
-    """The weights trainer rank 0 broadcasts, in its order, into fresh buffers (the engine copies them)."""
-    for name, shape, dtype in manifest:
-        t = torch.empty(shape, dtype=dtype, device=roles_.device)
-        _broadcast(t, roles_, f"the weight {name}")
-        yield name, t
+class WeightReceiver:
+    """A rollout rank's second weight buffer: a thread takes each pushed version (the version, then the weights of
+    the manifest, broadcast by trainer rank 0 on the sync group) into fresh buffers while the main thread samples
+    with the previous one, so trainer rank 0's push completes without waiting for the batch in hand to finish. The
+    main thread swaps a version in between batches (take, engine.sync_weights, release). One version is staged at
+    most: the thread receives the next only after release, so the memory held is the engine's weights plus one
+    version (the model in the rollout dtype, or the adapters with LoRA), and a trainer pushing two versions ahead
+    of the batch in hand waits as before. Only this thread touches the sync group on a rollout rank, so the
+    broadcasts keep the order trainer rank 0 gives them. Its failures (PeerLost) reach the main thread at take."""
+
+    def __init__(self, manifest, roles_: Roles):
+        import threading
+        self.manifest, self.roles = manifest, roles_
+        self.cond = threading.Condition()
+        self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="grpo_dist-weights", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        device = self.roles.device
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None  # off the sampling stream
+        try:
+            if side is not None:
+                torch.cuda.set_device(device)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                while True:
+                    with self.cond:  # one version staged at most: wait for the main thread's release
+                        self.cond.wait_for(lambda: self.staged is None)
+                    version = torch.zeros(1, dtype=torch.long, device=device)
+                    _broadcast(version, self.roles, "the pushed version")
+                    if int(version[0]) == STOP:
+                        return
+                    weights = []
+                    for name, shape, dtype in self.manifest:
+                        t = torch.empty(shape, dtype=dtype, device=device)
+                        _broadcast(t, self.roles, f"the weight {name}")
+                        weights.append((name, t))
+                    if side is not None:
+                        side.synchronize()  # the main thread reads them on its own stream
+                    with self.cond:
+                        self.staged = (int(version[0]), weights)
+                        self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def take(self, version: int):
+        """The staged weights of `version` (an iterator of (name, tensor)), waiting for them if still arriving;
+        the receiver's own failure is raised here. Bounded: the receiver's waits have distributed.timeout_s."""
+        with self.cond:
+            while self.staged is None and self.error is None:
+                if not self.cond.wait(timeout=1.0) and not self.thread.is_alive():
+                    raise RuntimeError(f"rank {self.roles.rank}: the weight receiver ended before version {version}")
+            if self.staged is None:
+                assert self.error is not None
+                raise self.error
+            got, weights = self.staged
+        if got != version:
+            raise RuntimeError(f"rank {self.roles.rank}: expected the weights of version {version}, received "
+                               f"version {got} (protocol out of order)")
+        return iter(weights)
+
+    def release(self) -> None:
+        """The staged version is in the engine: its buffers go, and the next version may come in."""
+        if self.roles.device.type == "cuda":  # the engine's copies ran on this thread's stream: done before reuse
+            torch.cuda.current_stream(self.roles.device).synchronize()
+        with self.cond:
+            self.staged = None
+            self.cond.notify_all()
+
+    def join(self) -> None:
+        """At the stop header: the receiver ends at trainer rank 0's stop broadcast."""
+        self.thread.join(self.roles.timeout_s)
+        if self.error is not None:
+            raise self.error

@@ -142,6 +142,50 @@ def test_lora_eval_dynamic_sampling_and_sft_train_asynchronously(tmp_path):
     assert a["metrics"][1]["async/weight_sync_bytes"] == 4 * adapters and 0 < adapters < base / 2, (adapters, base)
 
 
+def _push_while_sampling(rank, world_size, busy_s):
+    """Trainer rank 0 pushes versions 1 and 2 while rollout rank 1 samples (sleeps busy_s) with version 0, then 1."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from grpo_dist import async_rollout as ar
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    roles = ar.Roles(1, 1, rank, 30.0, None, None, dist.new_group([0, 1]), None, torch.device("cpu"))
+    manifest = [("a", (3, 2), torch.float32), ("b", (5,), torch.bfloat16)]
+
+    def weights(v):
+        return [torch.full(shape, v + 0.25, dtype=dtype) for _, shape, dtype in manifest]
+    if rank == 0:
+        took = []
+        for v in (1, 2):
+            t0 = time.perf_counter()
+            ar.push_version(v, iter(weights(v)), roles)
+            took.append(time.perf_counter() - t0)
+        ar.push_version(ar.STOP, iter(()), roles)
+        return took
+    receiver = ar.WeightReceiver(manifest, roles)
+    same = []
+    for v in (1, 2):
+        time.sleep(busy_s)  # the batch in hand, sampled with version v - 1
+        same += [torch.equal(t, w) for (_, t), w in zip(receiver.take(v), weights(v), strict=True)]
+        receiver.release()
+    receiver.join()
+    return same
+
+
+@pytest.mark.slow
+def test_a_weight_push_does_not_wait_for_the_batch_in_hand(tmp_path):
+    """The rollout rank receives version 1 into its second buffer while it samples with version 0: the push takes
+    the transfer's time, not the batch's (before: the rollout rank took the weights only between batches, so the
+    push lasted the rest of the batch). One version is staged at most: version 2 waits until version 1 is swapped
+    in, at the end of the first batch. The weights arrive bitwise."""
+    busy = 2.0
+    took, same = run_ranks(_push_while_sampling, 2, tmp_path, busy, timeout=120)
+    assert same == [True] * 4
+    assert took[0] < busy / 2, took
+    assert took[1] > busy / 2, took
+
+
 def test_lag_acceptance_rule():
     from grpo_dist.async_rollout import accepted
     assert accepted(0, 0) and accepted(2, 2) and not accepted(3, 2) and not accepted(1, 0)

@@ -189,8 +189,10 @@ def test_a_rollout_rank_slow_by_10x_is_waited_for_and_shows_in_the_idle_fraction
     idle = [x["async/trainer_idle_fraction"] for x in m]
     print("trainer idle", idle, "sync", [x["async/weight_sync_s"] for x in m],
           "rollout idle", [x["async/rollout_idle_fraction"] for x in m])
-    # not a timing bar (the shares move with the machine's load): the 9x sleep only has to show as more waiting
-    assert all(0.0 <= x <= 1.0 for x in idle) and idle[2] > idle[1], idle
+    # not a timing bar (the shares move with the machine's load): the 9x sleep of batches 1 and 2 only has to show
+    # as more waiting than for batch 0, in step 2 or 3 (which one moves with the load: the push after step 1 no
+    # longer waits for batch 1 to finish, so that wait is the trainer's idle time of step 2, not sync time)
+    assert all(0.0 <= x <= 1.0 for x in idle) and max(idle[1:]) > idle[0], idle
 
 
 @pytest.mark.slow
