@@ -117,3 +117,16 @@ def test_ran_python_rewards_a_tool_answer_that_is_not_an_error():
     for bad in ("```output\n[tool error: malformed tool call: no closed ```python block]\n```",
                 "```output\nTraceback (most recent call last):\nNameError\n```", "```output\n\n```", "42"):
         assert ran_python(bad, "42") == 0.0
+
+
+@pytest.mark.fast
+def test_answer_after_tool_reads_the_last_number_the_model_writes_after_the_tool():
+    from grpo_dist.environments.python_tool import answer_after_tool
+    ran = "```python\nprint(28 * 19)\n```\n```output\n532\n```\n"
+    assert answer_after_tool(ran + "The output is 532.", "532") == 1.0
+    assert answer_after_tool(ran + "It prints 28 * 19, which is 474.", "532") == 0.0   # the model's own number counts
+    assert answer_after_tool(ran, "532") == 0.0                                          # the tool's alone does not
+    assert answer_after_tool(ran + "The final answer is 532.\n", "532") == 1.0
+    assert answer_after_tool("28 * 19 = 532", "532") == 1.0                                # no tool: the whole text
+    assert answer_after_tool("<tool_response>\n6975\n</tool_response>The answer is 6,975.", "6975") == 1.0
+    assert answer_after_tool("I don't know.", "532") == 0.0

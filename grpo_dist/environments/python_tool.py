@@ -138,3 +138,23 @@ def ran_python(completion: str, reference: str) -> float:
         if text.strip() and "[tool error" not in text and "Traceback" not in text and "[stopped" not in text:
             return 1.0
     return 0.0
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_TOOL_ANSWER_END = re.compile(r"```output\n.*?```|</tool_response>", re.DOTALL)
+
+
+def answer_after_tool(completion: str, reference: str) -> float:
+    """The CPU tool recipe's grader (`grpo_dist.environments.python_tool:answer_after_tool`, in
+    configs/tool_math_cpu.yaml): 1.0 when the last number the model writes after the last tool output (the whole
+    text where no tool ran) equals the integer reference, else 0.0. The number must be in the model's own text: a
+    tool output alone, with nothing after it, scores 0. Looser than math_reward (which wants "The final answer is
+    N"), so it is only this recipe's; bench/tool_math.py reports both."""
+    ends = [m.end() for m in _TOOL_ANSWER_END.finditer(completion)]
+    numbers = _NUMBER.findall(completion[ends[-1]:] if ends else completion)
+    if not numbers:
+        return 0.0
+    try:
+        return float(float(numbers[-1].replace(",", "")) == float(reference.strip().replace(",", "")))
+    except ValueError:
+        return 0.0
