@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_dist import build as build_mod
 from grpo_dist import trainer as trainer_mod
 from grpo_dist.config import load_config
 from grpo_dist.data import DataError
@@ -23,7 +24,7 @@ def _no_model(*args, **kwargs):
 def test_data_is_checked_before_any_model_loads(tmp_path, monkeypatch, override):
     monkeypatch.setenv("GRPO_DIST_DATA_DIR", str(tmp_path))  # an empty mirror: the preset's files are missing
     monkeypatch.setattr(trainer_mod, "load_tokenizer", _no_model)
-    monkeypatch.setattr(trainer_mod, "load_model", _no_model)
+    monkeypatch.setattr(build_mod, "load_model", _no_model)  # models are built in build.py
     missing = tmp_path / "nope" / "train.jsonl"
     cfg = load_config("configs/smoke_cpu.yaml" if (ROOT / "configs").is_dir() else None,
                       [f"output_dir={tmp_path / 'out'}", override.format(missing=missing)])

@@ -177,6 +177,7 @@ def test_parquet_strings_that_are_not_utf8_name_file_row_and_field(tmp_path):
 def test_the_trainer_start_refuses_the_row_before_any_model_loads(tmp_path, monkeypatch):
     import torch
 
+    from grpo_dist import build as build_mod
     from grpo_dist import trainer as trainer_mod
     from grpo_dist.data import DataError
     from grpo_dist.distributed import DistContext
@@ -185,7 +186,7 @@ def test_the_trainer_start_refuses_the_row_before_any_model_loads(tmp_path, monk
         raise AssertionError("a model or tokenizer was loaded before the data was checked")
 
     monkeypatch.setattr(trainer_mod, "load_tokenizer", no_model)
-    monkeypatch.setattr(trainer_mod, "load_model", no_model)
+    monkeypatch.setattr(build_mod, "load_model", no_model)  # models are built in build.py
     data = tmp_path / "train.jsonl"
     data.write_text(f"{CLEAN_ROW}\n{SURROGATE_ROW}\n")
     cfg = load_config(None, [TINY, f"output_dir={tmp_path / 'out'}", "data.preset=null", f"data.path={data}",
