@@ -129,11 +129,14 @@ class Phases:
 
     def __init__(self, trainer):
         self.calls: dict[str, list[dict]] = {}
-        for name in ("rollout", "learn", "save", "evaluate"):
-            self._wrap(trainer, name)
+        # the step's stages where they live (trainer.py): rollout = the batch source's next_batch (weight sync,
+        # sampling and grading), learn = advantage to update and the step's metrics
+        for name, owner, attr in (("rollout", trainer.source, "next_batch"), ("learn", trainer, "_learn"),
+                                  ("save", trainer, "save"), ("evaluate", trainer, "evaluate")):
+            self._wrap(owner, attr, name)
 
-    def _wrap(self, trainer, name: str) -> None:
-        fn = getattr(trainer, name)
+    def _wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
 
         def timed(*args, **kwargs):
             sync()
@@ -143,7 +146,7 @@ class Phases:
             sync()
             self.calls.setdefault(name, []).append(dict(s=time.perf_counter() - t0, peak_gib=peak_gib()))
             return out
-        setattr(trainer, name, timed)
+        setattr(owner, attr, timed)
 
     def report(self, run: str) -> None:
         for name, calls in self.calls.items():
