@@ -60,34 +60,22 @@ def worker(args):
     gdist.cleanup()
 
 
-def _tensor_bytes(obj) -> int:
-    import torch
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
 def _checkpoint_figures(trainer, ctx) -> dict:
     """Bytes of what a checkpoint's optimizer part costs: optimizer.state_dict() on this rank (what the fp32-moment
     layout materialised at once on the device), the full state dict gathered on rank 0 (host), and the files of a
     full and a sharded checkpoint (optimizer.pt; the DCP directory, model included)."""
     from pathlib import Path
 
-    from grpo_dist import checkpoint as ckpt
+    from grpo_dist.optim8bit import nested_tensor_bytes
     opt = trainer.engine.optimizer
-    out = {"state_dict_bytes": _tensor_bytes(opt.state_dict()["state"])}
+    out = {"state_dict_bytes": nested_tensor_bytes(opt.state_dict()["state"])}
     _, optim_sd = trainer.engine.gather_full_state()
-    out["gathered_bytes"] = _tensor_bytes(optim_sd["state"]) if optim_sd is not None else None
+    out["gathered_bytes"] = nested_tensor_bytes(optim_sd["state"]) if optim_sd is not None else None
     del optim_sd
     from grpo_dist import distributed as gdist
     where = Path(gdist.broadcast_object(tempfile.mkdtemp(prefix="bench_optim_ckpt_") if ctx.is_main else None))
     for fmt in ("full", "sharded"):
-        path = ckpt.save_checkpoint(str(where / fmt), 1, trainer.engine, trainer.hf_model, trainer.tokenizer,
-                                    trainer.trainer_state(), ctx, save_format=fmt)
+        path = trainer.checkpointer.with_target(output_dir=str(where / fmt), save_format=fmt).save()
         if ctx.is_main:
             files = [path / "optimizer.pt"] if fmt == "full" else list((path / "sharded").rglob("*"))
             out[f"{fmt}_optimizer_file_bytes"] = sum(f.stat().st_size for f in files if f.is_file())

@@ -236,6 +236,18 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+
+def nested_tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a nested state (dicts, lists, tuples): what a state_dict or a checkpoint's optimizer
+    part holds (the bench and the tests measure the quantised state with it)."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(nested_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nested_tensor_bytes(v) for v in obj)
+    return 0
+
 # ----------------------------------------------------------------------------------- quantised checkpoint state
 # What checkpoints of adamw_8bit hold per parameter (FQN-keyed, like torch AdamW's): bitsandbytes' own codes and
 # block scales, ~2 bytes per parameter. The blocks of 256 start where each rank's elements start (FSDP1's flat

@@ -167,23 +167,13 @@ def _stepped(params, grads, steps=2):
     return opt
 
 
-def _tensor_bytes(obj) -> int:
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
 @pytest.mark.fast
 def test_checkpoint_state_is_the_codes_and_scales_and_resumes_bitwise():
     """One process: gather_full (what optimizer.pt holds) is bitsandbytes' codes (1 byte per moment) plus one
     fp32 scale and block start per 256 elements: < 2.2 bytes per parameter of an 8-bit matrix (the fp32 moments
     and per-element scales it replaced: 16). Loaded into a fresh optimizer: the same codes, scales and steps, and
     the next step equal bit for bit."""
-    from grpo_dist.optim8bit import Q8, gather_full, load_full
+    from grpo_dist.optim8bit import Q8, gather_full, load_full, nested_tensor_bytes
     torch.manual_seed(0)
     model = torch.nn.Linear(96, 100)  # weight 9600 elements (8-bit: 37 blocks, the last short), bias 100 (fp32)
     grads = [torch.randn_like(p) for p in model.parameters()]
@@ -191,7 +181,8 @@ def test_checkpoint_state_is_the_codes_and_scales_and_resumes_bitwise():
     sd = gather_full(model, opt)
     weight = sd["state"]["weight"]
     assert weight[Q8].dtype == torch.uint8 and weight[Q8].shape == (2, 100, 96)
-    assert _tensor_bytes(weight) / 9600 < 2.2 and _tensor_bytes(opt.state_dict()["state"][0]) / 9600 == 16.0 + 4 / 9600
+    assert nested_tensor_bytes(weight) / 9600 < 2.2 and \
+        nested_tensor_bytes(opt.state_dict()["state"][0]) / 9600 == 16.0 + 4 / 9600
     assert weight["q8_block_start"].tolist() == list(range(0, 9600, 256))
     assert float(sd["state"]["bias"]["q8_absmax"][0, 0]) == -1  # bias: kept fp32 moments, exact
     twin = torch.nn.Linear(96, 100)
