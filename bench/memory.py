@@ -47,11 +47,12 @@ def worker(args):
     from grpo_dist import distributed as gdist
     torch.set_num_threads(1)
     ctx = gdist.init_distributed(600, 1)
+    import grpo_dist.build as build
     import grpo_dist.engines.fsdp as ef
     import grpo_dist.engines.fsdp2 as ef2
     import grpo_dist.trainer as tr
-    if args.all_ranks_read:
-        tr.load_on_rank0_only = ef.load_on_rank0_only = ef2.load_on_rank0_only = lambda cfg, world: False
+    if args.all_ranks_read:  # where the models are built (build.py) and wrapped (the engines)
+        build.load_on_rank0_only = ef.load_on_rank0_only = ef2.load_on_rank0_only = lambda cfg, world: False
     cfg = _cfg(args.model_dir, [f"distributed.backend={args.backend}"])
     out = {}
     if args.part == "load":
