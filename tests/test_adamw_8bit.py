@@ -300,3 +300,70 @@ def test_older_and_other_optimizer_checkpoints(tmp_path):
     assert message == (f"{tmp_path / 'quantised'} holds optimizer=adamw_8bit's quantised optimizer state, which "
                        "optimizer=adamw cannot load from a sharded checkpoint; resume with optimizer=adamw_8bit")
     assert m_equal and v_equal
+
+
+# ------------------------------------------------------------------------------------- another world size
+# one layer whose flat parameter 2 FSDP ranks cut inside up_proj, 6176 elements in (not a multiple of the 256-element
+# block) with >= 4096 (bitsandbytes' min_8bit_size) on each side: both halves keep 8-bit codes in blocks that do not
+# line up with one process's
+CUT = ("model.tiny={architecture: qwen2, hidden_size: 64, num_hidden_layers: 1, num_attention_heads: 4, "
+       "num_key_value_heads: 2, intermediate_size: 384}")
+
+def _gathered_moments(engine) -> dict | None:
+    """{name: (step, exp_avg, exp_avg_sq)} of the engine's state as the 8-bit step reads it (qmap[code] x block
+    scale; fp32 moments as they are), gathered to rank 0 (None elsewhere). Collective."""
+    from grpo_dist.optim8bit import QMAP, dequantised_range
+    _, optim_sd = engine.gather_full_state()
+    if optim_sd is None:
+        return None
+    out = {}
+    for name, q in optim_sd["state"].items():
+        m, v = dequantised_range(q, optim_sd[QMAP], 0, q["q8_codes"].shape[1:].numel())
+        out[name] = (int(q["step"]), m, v)
+    return out
+
+
+def _save_at(rank, world, tmp, fmt):
+    """2 steps at this world size (global batch 4), checkpoint-2 in format fmt; the state written, as moments."""
+    from helpers import resume_trainer
+    tr = resume_trainer([CUT, "optimizer=adamw_8bit", f"prompts_per_rank={4 // world}", "max_steps=2",
+                         "save_steps=2", f"save_format={fmt}", f"output_dir={tmp / 'saved'}"])
+    assert tr.train() == 0
+    return _gathered_moments(tr.engine), _eight_bit_shares(tr.engine.optimizer)
+
+
+def _resume_at(rank, world, tmp):
+    """checkpoint-2 resumed at this world size: the moments loaded, then one more step."""
+    from helpers import resume_trainer
+    tr = resume_trainer([CUT, "optimizer=adamw_8bit", f"prompts_per_rank={4 // world}", "max_steps=3",
+                         "save_steps=0", f"resume_from_checkpoint={tmp / 'saved' / 'checkpoint-2'}",
+                         f"output_dir={tmp / 'resumed'}"])
+    loaded = _gathered_moments(tr.engine)
+    assert tr.train() == 0
+    return loaded, tr.step, _eight_bit_shares(tr.engine.optimizer)
+
+
+@pytest.mark.slow  # 3 + 3 spawned gloo processes, 2 + 1 steps each way: ~60 s
+@pytest.mark.parametrize("saved_world,resumed_world,fmt", [(2, 1, "sharded"), (1, 2, "full")])
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path, saved_world, resumed_world, fmt):
+    """FSDP cuts each matrix elsewhere at another world size, so the 256-element blocks of the saved codes no longer
+    line up with the new shards: the loaded moments are the saved ones (qmap[code] x block scale) quantised afresh
+    in the new blocks. Each moment is then within one code step of what was saved (|loaded - saved| <= 2 % of the
+    parameter's largest moment, the code book's coarsest step near its top), the steps are the saved ones, the
+    fp32 moments of small tensors are exact, and the run trains on."""
+    saved, share = run_ranks(_save_at, saved_world, tmp_path, tmp_path, fmt, timeout=900)[0]
+    loaded, step, share_after = run_ranks(_resume_at, resumed_world, tmp_path, tmp_path, timeout=900)[0]
+    assert share > 0.85 and share_after > 0.85  # matrices really had 8-bit moments, before and after
+    assert step == 3 and set(loaded) == set(saved)
+    moved = set()
+    for name, (s_step, s_m, s_v) in saved.items():
+        l_step, l_m, l_v = loaded[name]
+        assert l_step == s_step == 4, name  # 2 steps of num_iterations=2 (RESUME_BASE)
+        for saved_moment, loaded_moment in ((s_m, l_m), (s_v, l_v)):
+            top = float(saved_moment.abs().max())
+            diff = float((loaded_moment - saved_moment).abs().max())
+            assert diff <= 0.02 * top, f"{name}: {diff} > 2 % of {top}"
+            if diff > 0:
+                moved.add(name)
+    # the blocks did move (re-quantised, not copied: else this tests nothing), where the ranks cut the layer
+    assert "model.layers.0.mlp.up_proj.weight" in moved, moved
