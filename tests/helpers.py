@@ -69,6 +69,16 @@ def resume_trainer(overrides):
     return GRPOTrainer(cfg, init_distributed(cfg.distributed.timeout_s))
 
 
+def no_dense_optimizer_state(trainer):
+    """adamw_8bit: the optimizer's state_dict() (torch's machinery: fp32 moments and per-element scales, 16 bytes
+    per parameter) fails from here on, so that saves and resumes are seen to move its quantised state only
+    (grpo_dist/optim8bit.py). Returns the trainer."""
+    def refused():
+        raise AssertionError("adamw_8bit's state_dict() was called: the dense 16-byte layout was built")
+    trainer.engine.optimizer.state_dict = refused
+    return trainer
+
+
 # ----------------------------------------------------------------------------------------------------- asserts
 
 def tensors_equal(a, b, where=""):
