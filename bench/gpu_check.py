@@ -498,7 +498,15 @@ def cmd_long(a) -> None:
     tokens_per_s = m["completion_length_mean"] * rows / max(m["time_rollout_s"], 1e-9)
     print(f"CHECK long rollout: {tokens_per_s:.0f} completion tokens/s (engine {cfg.rollout_engine}, "
           f"lean_cuda_graphs {cfg.lean_cuda_graphs}: the run's defaults)", flush=True)
+    # the step's model FLOPs over each pass's time and the device's bf16 peak (grpo_dist/flops.py; null on a CPU)
+    passes = {k: m.get(k) for k in ("mfu", "mfu_update", "mfu_logprobs", "tokens_per_s_update",
+                                    "tokens_per_s_logprobs")}
+    pct = {k: "n/a" if v is None else f"{100 * v:.1f} %" for k, v in passes.items() if k.startswith("mfu")}
+    print(f"CHECK long {Path(a.model).name} per pass: update {passes['tokens_per_s_update'] or 0:.0f} tokens/s, "
+          f"MFU {pct['mfu_update']}; log-probs {passes['tokens_per_s_logprobs'] or 0:.0f} tokens/s, MFU "
+          f"{pct['mfu_logprobs']}; step MFU {pct['mfu']} (issue 37's bar: update >= 15 %)", flush=True)
     result(stage="long", model=Path(a.model).name, rows=rows, rollout_tokens_per_s=round(tokens_per_s, 1),
+           **{k: None if v is None else round(v, 4 if k.startswith("mfu") else 1) for k, v in passes.items()},
            cap=L["cap"], median=L["median"], p95=L["p95"],
            budget=L["budget"], lengths_forced=forced, completion_length_mean=m["completion_length_mean"],
            completion_length_max=m["completion_length_max"], **times, step_s=round(sum(times.values()), 3),
@@ -611,8 +619,8 @@ PICK = {"start": ("cmd", "torch", "gpu"),
         "learn": ("device", "steps", "accuracy_before", "accuracy_after", "problems", "gained", "median_step_s",
                   "seconds", "peak_gib"),
         "long": ("model", "rows", "cap", "lengths_forced", "rollout_s", "rollout_tokens_per_s", "logprobs_s",
-                 "update_s", "padding_fraction",
-                 "peak_gib", "peak_rss_mib"),
+                 "update_s", "tokens_per_s_logprobs", "tokens_per_s_update", "mfu_logprobs", "mfu_update", "mfu",
+                 "padding_fraction", "peak_gib", "peak_rss_mib"),
         "async": ("config", "groups", "tokens_per_s", "tokens_per_s_full", "trainer_idle_fraction",
                   "trainer_idle_fraction_full", "rollout_idle_fraction", "rollout_idle_fraction_full",
                   "weight_sync_s_per_step", "weight_sync_bytes_per_version", "lag_mean", "lag_max", "lag_per_step"),

@@ -30,7 +30,9 @@
 #                  64 rows (8 prompts x 8) of bench/long_cot.py's long-tailed lengths (lognormal median 200, p95 900,
 #                  cap 1024, forced by EOS placement), every lever on (padding_free, max_tokens_per_micro_batch 8192,
 #                  decode_compaction_threshold at its default), num_iterations 2: per phase time, tokens computed vs
-#                  needed per pass (decode, reference, old, train), peak GPU memory (peak RSS on a CPU)
+#                  needed per pass (decode, reference, old, train), tokens/s and MFU of the update and log-prob
+#                  passes, peak GPU memory (peak RSS on a CPU)
+#   long_24l       the long stage on the whole 24-layer 0.5B model (what issue 37's update / log-prob bars are for)
 #   async          issue 23's asynchronous mode: bench/async.py's torchrun jobs on the 4-layer model in bf16, 8 prompts x
 #                  8 per step, long_cot.py's lengths capped at 256, 4 steps: a 1-process colocated reference, then
 #                  1 trainer + 1 rollout rank on the one GPU (GRPO_DIST_SHARE_GPU=1: both on cuda:0, gloo groups,
@@ -143,6 +145,9 @@ stage cli 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m 
   --config "$WORK/full/run/gpu_check_config.yaml" output_dir="$WORK/cli" max_steps=2 save_steps=2 save_format=sharded
 stage learn 150 "${D[@]}" learn --out "$WORK/learn"  # ~30-60 s on an H200: an estimate, not measured
 stage long 120 "${D[@]}" long --model "$M/qwen05_4l" --out "$WORK/long"
+# the same step on all 24 layers: issue 37's bars (update <= 1.2 s, log-probs <= 0.4 s, update MFU >= 15 %) are
+# for this model (2026-12-03: rollout 17.0 s, log-probs 1.9 s, update 5.3 s); skipped once the budget is spent
+stage long_24l 150 "${D[@]}" long --model "$M/qwen05" --out "$WORK/long_24l"
 stage async 240 "${D[@]}" async --model "$M/qwen05_4l"  # ~150-200 s alone on an H200: 120 cut it
 
 figures

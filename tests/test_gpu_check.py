@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = ROOT.parent / "shared" / "notes" / "gpu-first-run.md"
 STAGES = ("env", "build", "meta", "decode", "train_sharded", "train_full", "train_untied", "evaluate", "cli",
-          "learn", "long", "async")
+          "learn", "long", "long_24l", "async")
 
 
 # .ci/run sets this for its main pytest run when its GPU-stack step will run the slow tests below under the lent
@@ -90,8 +90,26 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     # the long-completion stage (issue 29): one step on bench/long_cot.py's long-tailed lengths, every lever on
     from long_cot import lengths
     long = [x for x in rows if x["stage"] == "long"]
-    assert len(long) == 1, long
-    lg, spec = long[0], gpu_check.LONG
+    assert [x["model"] for x in long] == ["qwen05_4l", "qwen05"], long  # 4 layers, then all 24 (smoke: shrunk)
+    for lg in long:
+        _check_long_stage(lg, gpu_check.LONG, lengths)
+    summary = (out / "summary.txt").read_text()
+    assert "CHECK long qwen05_4l 16 rows, cap 64" in summary and "lengths forced: True" in summary
+    assert "CHECK long qwen05 16 rows, cap 64" in summary and "CHECK long qwen05 per pass: update " in summary
+    assert "CHECK meta rank 1 of 2" in summary and "CHECK decode 7b" in summary and "step_time_s=" in summary
+    _check_learn_stage(rows, summary)
+    _check_async_stage(rows, summary)
+    assert "=== figures" in r.stdout and "step_time_s=" in r.stdout
+    # gpu-first-run.md's `gpu_check.py summary $OUT/results.jsonl` reads results.jsonl from the archive
+    s = subprocess.run([sys.executable, "bench/gpu_check.py", "summary", str(out / "results.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert s.returncode == 0 and "decode" in s.stdout and "ms_per_step=" in s.stdout, s.stderr[-2000:]
+    assert not list(tmp_path.glob("gpu_check_work.*")), "the work folder is removed when every stage passed"
+
+
+def _check_long_stage(lg: dict, spec: dict, lengths) -> None:
+    """One long-stage row: every row got its drawn length, no padding in the packed passes, each pass's tokens/s;
+    MFU null on a CPU (no peak to divide by)."""
     targets = lengths(spec["prompts_per_rank"] * spec["num_generations"], spec["median"], spec["p95"], spec["cap"])
     assert lg["rows"] == len(targets) and lg["cap"] == spec["cap"] == 64 and lg["budget"] == spec["budget"]
     # every row got exactly its drawn length (EOS forced), so the figures are those of that distribution
@@ -111,17 +129,9 @@ def test_gpu_check_smoke_mode_runs_every_stage(tmp_path):
     # num_iterations 2: the training pass runs over the rows twice, the old-policy pass once
     useful = {p: lg["tokens"][p]["useful"] for p in ("reference", "old", "train")}
     assert useful["train"] == 2 * useful["old"] == 2 * useful["reference"]
-    summary = (out / "summary.txt").read_text()
-    assert "CHECK long qwen05_4l 16 rows, cap 64" in summary and "lengths forced: True" in summary
-    assert "CHECK meta rank 1 of 2" in summary and "CHECK decode 7b" in summary and "step_time_s=" in summary
-    _check_learn_stage(rows, summary)
-    _check_async_stage(rows, summary)
-    assert "=== figures" in r.stdout and "step_time_s=" in r.stdout
-    # gpu-first-run.md's `gpu_check.py summary $OUT/results.jsonl` reads results.jsonl from the archive
-    s = subprocess.run([sys.executable, "bench/gpu_check.py", "summary", str(out / "results.jsonl")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert s.returncode == 0 and "decode" in s.stdout and "ms_per_step=" in s.stdout, s.stderr[-2000:]
-    assert not list(tmp_path.glob("gpu_check_work.*")), "the work folder is removed when every stage passed"
+    assert lg["tokens_per_s_update"] > 0 and lg["tokens_per_s_logprobs"] > 0
+    if lg["device"] == "cpu":
+        assert lg["mfu"] is None and lg["mfu_update"] is None and lg["mfu_logprobs"] is None
 
 
 def _check_learn_stage(rows: list[dict], summary: str) -> None:
