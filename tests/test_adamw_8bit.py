@@ -314,13 +314,13 @@ CUT = ("model.tiny={architecture: qwen2, hidden_size: 64, num_hidden_layers: 1, 
 def _gathered_moments(engine) -> dict | None:
     """{name: (step, exp_avg, exp_avg_sq)} of the engine's state as the 8-bit step reads it (qmap[code] x block
     scale; fp32 moments as they are), gathered to rank 0 (None elsewhere). Collective."""
-    from grpo_dist.optim8bit import QMAP, dequantised_range
+    from grpo_dist.optim8bit import Q8, QMAP, dequantised_range
     _, optim_sd = engine.gather_full_state()
     if optim_sd is None:
         return None
     out = {}
     for name, q in optim_sd["state"].items():
-        m, v = dequantised_range(q, optim_sd[QMAP], 0, q["q8_codes"].shape[1:].numel())
+        m, v = dequantised_range(q, optim_sd[QMAP], 0, q[Q8].shape[1:].numel())
         out[name] = (int(q["step"]), m, v)
     return out
 
